@@ -1,0 +1,38 @@
+# kvbridge developer entry points. `make test` and `make demo` are the two commands the
+# README gives; everything they need is installed here, on a fresh machine too.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+# The CPU build of torch 2.13.0 is served from a local file on these machines; installing it
+# first keeps any later `torch` requirement (nixl's wheel has one) from pulling a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+NIXL_SPEC ?= nixl-cu12==1.5.1
+
+.PHONY: venv test lint bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@echo ">> creating $(VENV) (first run installs torch CPU, NIXL and the project)"
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install --no-deps "$(NIXL_SPEC)"
+	$(PIP) install -e '.[test]'
+	touch $@
+
+lint: venv
+	$(BIN)/ruff check agent operator tests bench
+
+test: venv lint
+	$(PY) -m pytest
+
+bench: venv
+	@set -e; for b in bench/bench_*.py; do echo ">> $$b" >&2; $(PY) $$b; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
