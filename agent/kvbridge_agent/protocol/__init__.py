@@ -1,0 +1,84 @@
+"""vLLM NIXL connector version-11 handshake: wire structures, hash and validation.
+
+Pure: imports msgspec, hashlib and the standard library only (no ZMQ, NIXL or Kubernetes),
+so the operator validates KVEndpoints with exactly the rules the agent's handshake applies.
+
+- Wire (spec §1.1-§1.3): :class:`NixlAgentMetadata`, :class:`NixlHandshakePayload`,
+  ``encode_*``/``decode_*``, :func:`decode_handshake` (two-phase: payload, hash, metadata).
+- Hash (§1.5): :class:`CompatibilityFactors`, :func:`compatibility_hash`,
+  :func:`check_compatibility`.
+- Validation (§1.6, §10.11): :class:`EngineGeometry`, :func:`validate_remote` returning a
+  :class:`Verdict` of :class:`Incompatibility` items; :func:`effective_regions` applies the
+  v10 fallbacks.
+- Errors: every failure is a :class:`ProtocolError` (``ValueError``).
+"""
+
+from ._compat import CompatibilityFactors, check_compatibility, compatibility_hash
+from ._engine import EffectiveRegions, EngineGeometry, RegionGeometry, effective_regions
+from ._errors import (
+    EngineIdMismatchError,
+    HashMismatchError,
+    IncompatibleGeometryError,
+    MetadataDecodeError,
+    PayloadDecodeError,
+    ProtocolError,
+    RequestDecodeError,
+    TimestampDecodeError,
+)
+from ._validate import Incompatibility, Mode, Rule, ValidationOptions, Verdict, validate_remote
+from ._wire import (
+    GET_META_MSG,
+    NIXL_CONNECTOR_VERSION,
+    SHARED_REGION_GROUP_ID,
+    NixlAgentMetadata,
+    NixlHandshakePayload,
+    decode_handshake,
+    decode_metadata,
+    decode_payload,
+    decode_request,
+    decode_timestamp,
+    encode_metadata,
+    encode_payload,
+    encode_request,
+    encode_timestamp,
+    make_payload,
+)
+
+__all__ = [
+    "GET_META_MSG",
+    "NIXL_CONNECTOR_VERSION",
+    "SHARED_REGION_GROUP_ID",
+    "CompatibilityFactors",
+    "EffectiveRegions",
+    "EngineGeometry",
+    "EngineIdMismatchError",
+    "HashMismatchError",
+    "Incompatibility",
+    "IncompatibleGeometryError",
+    "MetadataDecodeError",
+    "Mode",
+    "NixlAgentMetadata",
+    "NixlHandshakePayload",
+    "PayloadDecodeError",
+    "ProtocolError",
+    "RegionGeometry",
+    "RequestDecodeError",
+    "Rule",
+    "TimestampDecodeError",
+    "ValidationOptions",
+    "Verdict",
+    "check_compatibility",
+    "compatibility_hash",
+    "decode_handshake",
+    "decode_metadata",
+    "decode_payload",
+    "decode_request",
+    "decode_timestamp",
+    "effective_regions",
+    "encode_metadata",
+    "encode_payload",
+    "encode_request",
+    "encode_timestamp",
+    "make_payload",
+    "validate_remote",
+]
