@@ -148,7 +148,8 @@ class _Collector:
                 r,
                 len(values),
                 "every per-region list must have one entry per region",
-                op="!=",
+                text=f"len({name}): remote has {len(values)} entries for its R = {r} regions: "
+                "every per-region list must have one entry per region",
             )
 
 
@@ -384,7 +385,10 @@ def _check_regions(
             remote.num_base_addrs,
             "P and D must have the same number of transfer regions",
         )
-    c.lengths(Rule.BLOCK_STRIDES, "block_strides", remote.block_strides, r)
+    # Per-region lists are checked against the remote's own R: a differing R is reported once
+    # above, and a list that disagrees with its own R is what spec §1.6 asserts against.
+    rr = remote.num_regions
+    c.lengths(Rule.BLOCK_STRIDES, "block_strides", remote.block_strides, rr)
     for i, (stride, blen) in enumerate(zip(remote.block_strides, remote.block_lens, strict=False)):
         if stride < blen:
             c.add(
@@ -396,19 +400,12 @@ def _check_regions(
                 text=f"block_strides[{i}]: remote stride {stride} < remote block_lens[{i}] "
                 f"{blen}: a block stride must be >= its block_len",
             )
-    c.lengths(Rule.REGION_NUM_BLOCKS, "region_num_blocks", remote.region_num_blocks, r)
-    c.lengths(Rule.REGION_GROUP_IDS, "region_group_ids", remote.region_group_ids, r)
-    c.lengths(Rule.REGION_MEM_TYPES, "region_mem_types", remote.region_mem_types, r)
+    c.lengths(Rule.REGION_NUM_BLOCKS, "region_num_blocks", remote.region_num_blocks, rr)
+    c.lengths(Rule.REGION_GROUP_IDS, "region_group_ids", remote.region_group_ids, rr)
+    c.lengths(Rule.REGION_MEM_TYPES, "region_mem_types", remote.region_mem_types, rr)
+    c.lengths(Rule.REGION_NAMES, "region_names", remote.region_names, rr)
     ln, rn = local.region_names, remote.region_names
     if ln is not None and rn is not None:
-        if len(ln) != len(rn):
-            c.add(
-                Rule.REGION_NAMES,
-                "len(region_names)",
-                len(ln),
-                len(rn),
-                "NIXL transfer regions must name the same model caches in the same order",
-            )
         for i, (a, b) in enumerate(zip(ln, rn, strict=False)):
             if a != b:
                 c.add(
