@@ -23,6 +23,7 @@ KVB_CACHE="${KVB_CACHE:-/var/cache/kvbridge}"
 KUBE_DIR="$KVB_CACHE/kube-$KUBE_VERSION"
 BIN_DIR="$KVB_CACHE/bin"
 BUILD_DIR="$KVB_CACHE/build"
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 APT_PACKAGES=(golang-go dpkg-dev rsync jq etcd-server golang-github-modern-go-reflect2-dev
               golang-github-json-iterator-go-dev openssl iproute2 ca-certificates)
 
@@ -131,6 +132,7 @@ build_kube() {
     done
     kube_ok || die "built binaries do not report $KUBE_VERSION"
     log "built in $((SECONDS - start)) s; binaries in $KUBE_DIR"
+    cd "$SCRIPT_DIR"
     if [ "${KVB_KEEP_BUILD:-0}" != 1 ]; then
         log "removing build tree (set KVB_KEEP_BUILD=1 to keep it)"
         rm -rf "$BUILD_DIR"
@@ -139,7 +141,7 @@ build_kube() {
 
 pick_python() {
     local p
-    for p in "${PYTHON:-}" "$(dirname "$0")/../.venv/bin/python" python3.11 python3; do
+    for p in "${PYTHON:-}" "$SCRIPT_DIR/../.venv/bin/python" python3.11 python3; do
         [ -n "$p" ] || continue
         if command -v "$p" >/dev/null 2>&1 && "$p" -m pip --version >/dev/null 2>&1; then
             echo "$p"; return 0
