@@ -1,0 +1,278 @@
+"""The pull engine: the decode side reads KV blocks from prefill engines (spec §4).
+
+Flow of :meth:`PullEngine.start` for one request: choose the group-matched or
+region-mapped path, expand ppl, align prefixes, compute descriptor ids
+(:mod:`.readplan`); per source rank, split by (local kind, remote kind) with
+``geometry.partition_by_mem_type``; post one READ per part **without** a notification; queue
+``"{remote_request_id}:{consumers}"`` for each notified rank. :meth:`poll` /
+:meth:`wait` drive the parts; the notifications go out only once every part of the request
+is DONE (spec §4.6-§4.7). A full prefix hit only notifies.
+
+Failures (spec §4.8): any exception while planning, preparing, posting or polling, or the
+deadline passing, fails the request: no further part is posted, queued notifications are
+dropped, handles are released (or held while NIXL refuses). ``start`` never raises for a
+per-request problem; the failure comes back from :meth:`poll` / :meth:`wait` as a
+:class:`~.errors.TransferFailure` with a :class:`~.errors.FailureCause`.
+
+Threading: none of its own. NIXL is not assumed thread-safe, so call every method from one
+thread (vLLM calls start_load_kv and get_finished from the worker thread).
+
+Heartbeats: requests announced with :meth:`expect` and requests in flight are heartbeated
+to their producer every ``lease_s / 6`` from :meth:`poll` (spec §1.8).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import geometry as geo
+from ._inflight import Result, TransferDone, Transfers
+from ._parts import make_part
+from .errors import (
+    FailureCause,
+    RemoteNotFoundError,
+    TransferFailure,
+    UnsupportedTransferError,
+)
+from .heartbeat import HeartbeatSender
+from .local import LocalEngine
+from .notifications import completion_message
+from .peers import RemotePeer, RemotePeers
+from .producer import DEFAULT_LEASE_S
+from .readplan import plan_read_ids
+from .remote import RemoteEngine
+
+__all__ = ["DEFAULT_COALESCE", "PollResult", "PullEngine", "PullRequest"]
+
+log = logging.getLogger(__name__)
+
+#: See the package docstring for the benchmark behind this default.
+DEFAULT_COALESCE = False
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """One request to read from a remote engine.
+
+    Attributes:
+        request_id: this engine's id for the request (results are keyed by it).
+        remote_engine_id: the producer engine (must have been added).
+        local_block_ids: per transfer group, this engine's **logical** block ids.
+        remote_block_ids: per transfer group, the producer's logical block ids.
+        remote_request_id: the producer's id, used in notifications (default request_id).
+        timeout_s: deadline for the whole read (default: the engine's).
+        num_computed_blocks / remote_num_tokens: per-group local prefix hits (logical) and
+            the producer's token count; when both are given, region-mapped reads pair pages
+            by token position (spec §4.4 positional rule).
+    """
+
+    request_id: str
+    remote_engine_id: str
+    local_block_ids: Sequence[Sequence[int]]
+    remote_block_ids: Sequence[Sequence[int]]
+    remote_request_id: str | None = None
+    timeout_s: float | None = None
+    num_computed_blocks: Sequence[int] | None = None
+    remote_num_tokens: int | None = None
+
+    @property
+    def notif_id(self) -> str:
+        return self.remote_request_id or self.request_id
+
+
+@dataclass(frozen=True)
+class PollResult:
+    """What :meth:`PullEngine.poll` found terminal since the last call."""
+
+    finished: tuple[TransferDone, ...] = ()
+    failed: tuple[TransferFailure, ...] = ()
+
+    @property
+    def finished_ids(self) -> set[str]:
+        return {d.request_id for d in self.finished}
+
+    @property
+    def failed_ids(self) -> set[str]:
+        return {f.request_id for f in self.failed}
+
+
+class PullEngine:
+    """Decode-side reader over one :class:`LocalEngine`.
+
+    Args:
+        local: this engine's registered memory and lists.
+        timeout_s: default per-request deadline (every wait has one).
+        coalesce: merge descriptors adjacent on both sides into one (see DEFAULT_COALESCE).
+        lease_s: the producers' lease, for the heartbeat period.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        local: LocalEngine,
+        *,
+        timeout_s: float = 30.0,
+        coalesce: bool = DEFAULT_COALESCE,
+        lease_s: float = DEFAULT_LEASE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.local = local
+        self.agent = local.agent
+        self.timeout_s = float(timeout_s)
+        self.coalesce = bool(coalesce)
+        self._clock = clock
+        self.peers = RemotePeers(self.agent)
+        self.heartbeats = HeartbeatSender(self.agent.send_notif, lease_s=lease_s, clock=clock)
+        self._notif_ids: dict[str, str] = {}
+        self._transfers = Transfers(self.agent, clock=clock, on_terminal=self._terminal)
+
+    # -- peers ---------------------------------------------------------------------------
+    def add_remote(self, desc: RemoteEngine) -> str:
+        """Load a remote rank (after its handshake); replaces a stale entry. Returns the
+        NIXL agent name."""
+        old = self.peers.ranks(desc.engine_id).get(desc.tp_rank)
+        if old is not None:
+            self.heartbeats.forget_peer(old.agent_name)
+        return self.peers.add(desc).agent_name
+
+    def remove_remote(self, engine_id: str, tp_rank: int | None = None) -> None:
+        for name in self.peers.remove(engine_id, tp_rank):
+            self.heartbeats.forget_peer(name)
+
+    def expect(self, remote_request_id: str, remote_engine_id: str) -> None:
+        """Heartbeat a request the producer holds for us before its read starts."""
+        for peer in self.peers.ranks(remote_engine_id).values():
+            self.heartbeats.track(peer.agent_name, remote_request_id)
+
+    def _terminal(self, request_id: str) -> None:
+        notif_id = self._notif_ids.pop(request_id, None)
+        if notif_id is not None:
+            self.heartbeats.untrack(notif_id)
+
+    # -- requests ------------------------------------------------------------------------
+    def start(self, req: PullRequest) -> None:
+        """Plan and post the READs of ``req`` (the copy may finish inside this call).
+
+        Raises:
+            ValueError: ``req.request_id`` is already in flight.
+        """
+        timeout = self.timeout_s if req.timeout_s is None else float(req.timeout_s)
+        tracked = self._transfers.begin(req.request_id, self._clock() + timeout)
+        self._notif_ids[req.request_id] = req.notif_id
+        try:
+            self._start(req, tracked)
+        except geo.GeometryError as exc:
+            self._transfers.fail(tracked, FailureCause.INVALID_REQUEST, str(exc), exc)
+        except RemoteNotFoundError as exc:
+            self._transfers.fail(tracked, FailureCause.UNKNOWN_REMOTE, str(exc), exc)
+        except UnsupportedTransferError as exc:
+            self._transfers.fail(tracked, FailureCause.UNSUPPORTED, str(exc), exc)
+        except Exception as exc:
+            self._transfers.fail_exc(tracked, exc, FailureCause.SETUP, "setting up the read")
+        self._transfers.seal(tracked)
+
+    def _start(self, req: PullRequest, tracked: object) -> None:
+        local = self.local
+        any_peer = self.peers.any_rank(req.remote_engine_id)
+        mapping = geo.compute_tp_mapping(
+            local.facts.tp_rank, local.facts.tp_size, any_peer.desc.tp_size,
+            is_mla=local.pure_mla)
+        sources = [self.peers.get(req.remote_engine_id, r) for r in mapping.source_ranks]
+        notify_only = [self.peers.get(req.remote_engine_id, r) for r in mapping.notify_ranks]
+        message = completion_message(req.notif_id, mapping.local_consumers)
+        for peer in (*sources, *notify_only):
+            self.heartbeats.track(peer.agent_name, req.notif_id)
+
+        if not any(len(g) for g in req.local_block_ids):      # full prefix hit: notify only
+            for peer in (*sources, *notify_only):
+                self._transfers.defer_notif(tracked, peer.agent_name, message)
+            return
+
+        ids = plan_read_ids(
+            local.plan, local_block_size=local.facts.block_size, local_ppl=local.facts.ppl,
+            remote=sources[0].desc, local_block_ids=req.local_block_ids,
+            remote_block_ids=req.remote_block_ids,
+            num_computed_blocks=req.num_computed_blocks,
+            remote_num_tokens=req.remote_num_tokens)
+        if ids.region_mapped and len(sources) != 1:
+            raise UnsupportedTransferError(
+                f"region-mapped reads need exactly one source rank, the TP mapping gives "
+                f"{list(mapping.source_ranks)}")
+        split = mapping.split_reads
+        # Plan every part of every source before posting anything.
+        planned = []
+        for i, peer in enumerate(sources):
+            llists = local.lists(ids.k, split_reads=split, split_index=i if split > 1 else 0)
+            rlists = self._remote_lists(peer, ids.k, mapping)
+            parts = geo.partition_by_mem_type(ids.local_ids, ids.remote_ids,
+                                              llists.index, peer.index)
+            planned.append((peer, llists, rlists, parts))
+        for peer, llists, rlists, parts in planned:
+            for part in parts:
+                x = make_part(
+                    self.agent, "READ",
+                    llists.by_kind[part.local_mem_type], part.local_ids,
+                    rlists[part.remote_mem_type], part.remote_ids,
+                    coalesce=self.coalesce,
+                    label=f"{req.request_id} {part.local_mem_type}<-{part.remote_mem_type}"
+                          f"@{peer.agent_name}")
+                self._transfers.post(tracked, x)   # a raise stops all later parts
+            self._transfers.defer_notif(tracked, peer.agent_name, message)
+        for peer in notify_only:
+            self._transfers.defer_notif(tracked, peer.agent_name, message)
+
+    def _remote_lists(self, peer: RemotePeer, k: int, mapping: geo.TPMapping) -> dict:
+        plan = self.local.plan
+        lens = plan.block_lens
+        is_mla = plan.is_mla
+        read_lens = np.array([mapping.read_len(int(lens[i]), is_mla[i], k)
+                              for i in range(len(lens))], dtype=np.int64)
+        offsets = np.array([mapping.rank_offset(int(lens[i]), is_mla[i], k)
+                            for i in range(len(lens))], dtype=np.int64)
+        desc = peer.desc
+        if desc.num_regions != len(lens):
+            raise UnsupportedTransferError(
+                f"remote {desc.engine_id!r} has {desc.num_regions} regions, local has "
+                f"{len(lens)}; P and D must have the same region count")
+        key = ("read", tuple(read_lens.tolist()), tuple(offsets.tolist()))
+        return self.peers.lists(peer, key, lambda: geo.remote_descriptor_table(
+            desc.base_addrs, desc.block_strides, desc.region_num_blocks, read_lens,
+            desc.device_id, offsets))
+
+    def poll(self) -> PollResult:
+        """Non-blocking: advance every request; report those finished/failed since the last
+        call (each exactly once). Also sends due heartbeats."""
+        results = self._transfers.poll()
+        self.heartbeats.tick()
+        return PollResult(
+            finished=tuple(r for r in results if isinstance(r, TransferDone)),
+            failed=tuple(r for r in results if isinstance(r, TransferFailure)))
+
+    def wait(self, request_id: str, timeout_s: float | None = None) -> Result:
+        """Block until ``request_id`` is terminal or the deadline (then: TIMEOUT failure).
+
+        Returns :class:`TransferDone` or :class:`TransferFailure`. Raises KeyError if the
+        request is unknown or was already reported by :meth:`poll`.
+        """
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        return self._transfers.wait(request_id, self._clock() + timeout)
+
+    def in_flight(self) -> tuple[str, ...]:
+        return self._transfers.active()
+
+    def close(self) -> None:
+        """Cancel in-flight requests (no notifications) and drop every remote."""
+        self._transfers.close()
+        self.peers.close()
+
+    def __enter__(self) -> PullEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

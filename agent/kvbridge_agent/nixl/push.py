@@ -1,0 +1,190 @@
+"""The push engine: the prefill side WRITEs KV blocks into decode engines (spec §5).
+
+One WRITE per target rank, with the completion notification ``"{request_id}:{consumers}"``
+attached, so NIXL delivers it after the bytes are in place. Rejected like vLLM's
+``NixlPushConnector`` (spec §5, §10.11): mixed-memory caches on either side, and producer
+and consumer cache-group layouts that differ. Failure semantics, polling and threading are
+those of :mod:`.pull` (a failed WRITE delivers no notification).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import geometry as geo
+from ._inflight import Result, TransferDone, Transfers
+from ._parts import make_part
+from .errors import FailureCause, RemoteNotFoundError, TransferFailure, UnsupportedTransferError
+from .local import LocalEngine
+from .notifications import completion_message
+from .peers import RemotePeers
+from .pull import DEFAULT_COALESCE, PollResult
+from .remote import RemoteEngine
+
+__all__ = ["PushEngine", "PushRequest"]
+
+MIXED_MEMORY_MESSAGE = "NixlPushConnector does not support mixed-memory KV caches"
+GROUP_LAYOUT_MESSAGE = (
+    "NixlPushConnector does not support different producer and consumer cache-group layouts"
+)
+
+
+@dataclass(frozen=True)
+class PushRequest:
+    """One request to write this engine's blocks into a decode engine.
+
+    Attributes:
+        request_id: the id the consumer knows the request by (goes into the notification).
+        remote_engine_id: the consumer engine (must have been added).
+        local_block_ids: per transfer group, this (producer) engine's logical block ids.
+        remote_block_ids: per transfer group, the consumer's logical block ids.
+        timeout_s: deadline (default: the engine's).
+    """
+
+    request_id: str
+    remote_engine_id: str
+    local_block_ids: Sequence[Sequence[int]]
+    remote_block_ids: Sequence[Sequence[int]]
+    timeout_s: float | None = None
+
+
+class PushEngine:
+    """Producer-side writer over one :class:`LocalEngine`.
+
+    Raises:
+        UnsupportedTransferError: the local plan mixes memory kinds.
+    """
+
+    def __init__(
+        self,
+        local: LocalEngine,
+        *,
+        timeout_s: float = 30.0,
+        coalesce: bool = DEFAULT_COALESCE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if local.plan.mixed_mem_types:
+            raise UnsupportedTransferError(
+                f"{MIXED_MEMORY_MESSAGE} (local region memory types: "
+                f"{sorted(set(local.plan.mem_types))})")
+        self.local = local
+        self.agent = local.agent
+        self.timeout_s = float(timeout_s)
+        self.coalesce = bool(coalesce)
+        self._clock = clock
+        self.peers = RemotePeers(self.agent)
+        self._transfers = Transfers(self.agent, clock=clock)
+
+    def add_remote(self, desc: RemoteEngine) -> str:
+        """Load a consumer rank. Raises UnsupportedTransferError for a mixed-memory consumer
+        or a different cache-group layout (before anything is loaded)."""
+        if len(set(desc.region_mem_types)) > 1:
+            raise UnsupportedTransferError(
+                f"{MIXED_MEMORY_MESSAGE} (consumer {desc.engine_id!r} region memory types: "
+                f"{sorted(set(desc.region_mem_types))})")
+        if tuple(desc.region_group_ids) != self.local.group_ids:
+            raise UnsupportedTransferError(
+                f"{GROUP_LAYOUT_MESSAGE} (producer region group ids "
+                f"{list(self.local.group_ids)}, consumer {desc.engine_id!r} "
+                f"{list(desc.region_group_ids)})")
+        return self.peers.add(desc).agent_name
+
+    def remove_remote(self, engine_id: str, tp_rank: int | None = None) -> None:
+        self.peers.remove(engine_id, tp_rank)
+
+    def start(self, req: PushRequest) -> None:
+        """Post the WRITEs of ``req``; failures are reported by poll()/wait()."""
+        timeout = self.timeout_s if req.timeout_s is None else float(req.timeout_s)
+        tracked = self._transfers.begin(req.request_id, self._clock() + timeout)
+        try:
+            self._start(req, tracked)
+        except geo.GeometryError as exc:
+            self._transfers.fail(tracked, FailureCause.INVALID_REQUEST, str(exc), exc)
+        except RemoteNotFoundError as exc:
+            self._transfers.fail(tracked, FailureCause.UNKNOWN_REMOTE, str(exc), exc)
+        except UnsupportedTransferError as exc:
+            self._transfers.fail(tracked, FailureCause.UNSUPPORTED, str(exc), exc)
+        except Exception as exc:
+            self._transfers.fail_exc(tracked, exc, FailureCause.SETUP, "setting up the write")
+        self._transfers.seal(tracked)
+
+    def _targets(self, engine_id: str) -> tuple[list, int]:
+        facts = self.local.facts
+        remote_tp = self.peers.any_rank(engine_id).desc.tp_size
+        if remote_tp != facts.tp_size and not self.local.pure_mla:
+            raise UnsupportedTransferError(
+                f"push with different TP sizes (producer {facts.tp_size}, consumer "
+                f"{remote_tp}) needs a pure MLA model")
+        ranks = geo.handshake_target_ranks(facts.tp_rank, facts.tp_size, remote_tp)
+        consumers = max(facts.tp_size // remote_tp, 1)
+        return [self.peers.get(engine_id, r) for r in ranks], consumers
+
+    def _start(self, req: PushRequest, tracked: object) -> None:
+        local = self.local
+        targets, consumers = self._targets(req.remote_engine_id)
+        desc = targets[0].desc
+        if desc.block_size != local.facts.block_size:
+            raise UnsupportedTransferError(
+                f"push needs equal kernel block sizes (producer {local.facts.block_size}, "
+                f"consumer {desc.block_size})")
+        if tuple(desc.region_group_ids) != local.group_ids:
+            raise UnsupportedTransferError(GROUP_LAYOUT_MESSAGE)
+        names = local.plan.names
+        mine = [geo.expand_logical_to_kernel(g, local.facts.ppl) for g in req.local_block_ids]
+        theirs = [geo.expand_logical_to_kernel(g, desc.ppl) for g in req.remote_block_ids]
+        d, p = geo.align_prefix_by_group(theirs, mine, max_padding=desc.ppl + local.facts.ppl)
+        groups = local.group_ids
+        mapping = len(set(groups)) > 1
+        lids = geo.compute_desc_ids(p, local.plan.region_num_blocks, groups,
+                                    uses_group_mapping=mapping, region_names=names)
+        rids = geo.compute_desc_ids(d, desc.region_num_blocks, groups,
+                                    uses_group_mapping=mapping, region_names=names)
+        message = completion_message(req.request_id, consumers)
+        if lids.size == 0:
+            for peer in targets:
+                self.agent.send_notif(peer.agent_name, message)
+            return
+        llists = local.lists(1)
+        lens = local.plan.block_lens.astype(np.int64)
+        planned = []
+        for peer in targets:
+            rlists = self.peers.lists(peer, ("write",), lambda peer=peer: (
+                geo.remote_descriptor_table(
+                    peer.desc.base_addrs, peer.desc.block_strides, peer.desc.region_num_blocks,
+                    lens, peer.desc.device_id)))
+            parts = geo.partition_by_mem_type(lids, rids, llists.index, peer.index)
+            planned.append((peer, rlists, parts))
+        for peer, rlists, parts in planned:
+            for part in parts:   # one part: both sides are single-kind
+                x = make_part(
+                    self.agent, "WRITE", llists.by_kind[part.local_mem_type], part.local_ids,
+                    rlists[part.remote_mem_type], part.remote_ids, coalesce=self.coalesce,
+                    notif=message, label=f"{req.request_id} WRITE@{peer.agent_name}")
+                self._transfers.post(tracked, x)
+
+    def poll(self) -> PollResult:
+        results = self._transfers.poll()
+        return PollResult(
+            finished=tuple(r for r in results if isinstance(r, TransferDone)),
+            failed=tuple(r for r in results if isinstance(r, TransferFailure)))
+
+    def wait(self, request_id: str, timeout_s: float | None = None) -> Result:
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        return self._transfers.wait(request_id, self._clock() + timeout)
+
+    def in_flight(self) -> tuple[str, ...]:
+        return self._transfers.active()
+
+    def close(self) -> None:
+        self._transfers.close()
+        self.peers.close()
+
+    def __enter__(self) -> PushEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

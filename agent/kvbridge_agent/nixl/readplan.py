@@ -1,0 +1,131 @@
+"""Pure descriptor-id planning of one pull request (spec §4.2, §4.4, §4.5 steps 1-5).
+
+No NIXL here: given the local plan, the remote description and the request's logical
+block ids, decide the path (group-matched or region-mapped), expand ppl, align prefixes,
+map sub-blocks and compute the paired local/remote descriptor ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import geometry as geo
+from .errors import UnsupportedTransferError
+from .remote import RemoteEngine
+
+__all__ = ["ReadIds", "block_size_ratio", "plan_read_ids"]
+
+IdLists = Sequence[Sequence[int] | np.ndarray]
+
+
+@dataclass(frozen=True, eq=False)
+class ReadIds:
+    """Paired descriptor ids of one read; ``local_ids`` index the local list at ratio ``k``."""
+
+    k: int
+    region_mapped: bool
+    local_ids: np.ndarray
+    remote_ids: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.local_ids.size)
+
+
+def block_size_ratio(local_block_size: int, remote_block_size: int) -> int:
+    """k = local kernel block size // remote; only k >= 1 with exact division (spec §1.9)."""
+    if remote_block_size < 1 or local_block_size % remote_block_size:
+        raise UnsupportedTransferError(
+            f"block size: local kernel block size {local_block_size} is not a multiple of "
+            f"the remote's {remote_block_size}; only remote blocks that divide local ones "
+            "are supported"
+        )
+    return local_block_size // remote_block_size
+
+
+def plan_read_ids(
+    plan: geo.RegionPlan,
+    *,
+    local_block_size: int,
+    local_ppl: int,
+    remote: RemoteEngine,
+    local_block_ids: IdLists,
+    remote_block_ids: IdLists,
+    num_computed_blocks: Sequence[int] | None = None,
+    remote_num_tokens: int | None = None,
+) -> ReadIds:
+    """Descriptor ids for reading ``remote_block_ids`` of ``remote`` into ``local_block_ids``.
+
+    Raises:
+        UnsupportedTransferError: region mapping needed but the model is not pure MLA, or
+            k > 1 with region mapping, or incompatible block sizes.
+        GeometryError: ids out of range (``BlockIdRangeError``), lists that cannot be
+            paired (``PrefixAlignmentError``), group lists that do not fit the layout.
+    """
+    k = block_size_ratio(local_block_size, remote.block_size)
+    local_groups = tuple(int(g) for g in plan.group_ids)
+    remote_groups = tuple(remote.region_group_ids) or local_groups
+    local_kernel = [geo.expand_logical_to_kernel(g, local_ppl) for g in local_block_ids]
+    remote_kernel = [geo.expand_logical_to_kernel(g, remote.ppl) for g in remote_block_ids]
+    names = plan.names
+
+    if local_groups != remote_groups:
+        if not all(plan.is_mla):
+            raise UnsupportedTransferError(
+                "Different NIXL cache-group layouts are only supported for pure MLA models "
+                f"(local region group ids {list(local_groups)}, remote "
+                f"{list(remote_groups)})"
+            )
+        if k != 1:
+            raise UnsupportedTransferError(
+                "Region-mapped NIXL transfers require matching physical block sizes "
+                f"(block_size_ratio {k})"
+            )
+        if len(local_groups) != len(remote_groups):
+            raise UnsupportedTransferError(
+                f"region-mapped read: local has {len(local_groups)} regions, remote "
+                f"{len(remote_groups)}; regions pair by index"
+            )
+        local_by_region = geo.block_ids_by_region(local_kernel, local_groups, region_names=names)
+        remote_by_region = geo.block_ids_by_region(
+            remote_kernel, remote_groups, region_names=names)
+        positional = num_computed_blocks is not None and remote_num_tokens is not None
+        if positional:
+            starts = [int(num_computed_blocks[g]) * local_ppl if g >= 0 else 0
+                      for g in local_groups]
+            num_remote = -(-int(remote_num_tokens) // remote.block_size)
+            d, p = geo.align_prefix_by_region(
+                local_by_region, remote_by_region, num_computed_blocks=np.array(starts),
+                num_remote_blocks=num_remote, region_names=names)
+        else:
+            d, p = geo.align_prefix_by_region(local_by_region, remote_by_region,
+                                              region_names=names)
+        r = len(local_groups)
+        identity = list(range(r))
+        lids = geo.compute_desc_ids(d, plan.region_num_blocks, identity,
+                                    uses_group_mapping=r > 1, region_names=names)
+        rids = geo.compute_desc_ids(p, remote.region_num_blocks, identity,
+                                    uses_group_mapping=r > 1, region_names=names)
+        return ReadIds(1, True, lids, rids)
+
+    if k > 1:
+        local_kernel = [
+            geo.map_to_sub_blocks(lg, k, min(len(lg) * k, len(rg)))
+            for lg, rg in zip(local_kernel, remote_kernel, strict=False)
+        ]
+    d, p = geo.align_prefix_by_group(local_kernel, remote_kernel,
+                                     max_padding=local_ppl + remote.ppl)
+    uses_mapping = len(set(local_groups)) > 1
+    lids = geo.compute_desc_ids(d, plan.region_num_blocks, local_groups,
+                                uses_group_mapping=uses_mapping,
+                                block_size_ratio=k if k > 1 else None, region_names=names)
+    rids = geo.compute_desc_ids(p, remote.region_num_blocks, remote_groups,
+                                uses_group_mapping=uses_mapping, region_names=names)
+    if lids.size != rids.size:
+        raise geo.PrefixAlignmentError(
+            f"local and remote descriptor ids differ in count ({lids.size} vs {rids.size}); "
+            "the request's per-group block lists cannot be paired"
+        )
+    return ReadIds(k, False, lids, rids)
