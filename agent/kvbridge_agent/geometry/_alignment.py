@@ -73,8 +73,8 @@ def align_prefix_by_region(
     - Positional rule (``num_computed_blocks`` and ``num_remote_blocks`` given): with
       ``start = num_computed_blocks[r]`` and
       ``count = min(len(D_r), max(num_remote_blocks - start, 0))``, D keeps its first
-      ``count`` pages, paired with P's pages ``[start, start + count)``; P's list being
-      too short raises :class:`PrefixAlignmentError`.
+      ``count`` pages, paired with P's pages ``[start, start + count)``; P's list not
+      covering a non-empty range raises :class:`PrefixAlignmentError`.
     """
     d = as_id_lists(decode, "decode")
     p = as_id_lists(prefill, "prefill")
@@ -125,7 +125,7 @@ def align_prefix_by_region(
     for r, (dr, pr) in enumerate(zip(d, p, strict=True)):
         start = int(starts[r])
         count = min(dr.size, max(int(num_remote_blocks) - start, 0))
-        if pr.size < start + count:
+        if count and pr.size < start + count:  # an empty range is trivially covered
             raise PrefixAlignmentError(
                 f"{region_label(r, region_names)}: remote KV pages do not cover the "
                 f"requested range [{start}, {start + count}) (prefill supplied {pr.size})"
