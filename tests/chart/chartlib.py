@@ -1,0 +1,136 @@
+"""Helpers for the chart tests: find helm, render the chart, index rendered objects, and read
+RBAC rules into comparable sets."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "kvbridge"
+VALUES_DIR = Path(__file__).resolve().parent / "values"
+CACHE_BIN = Path(os.environ.get("KVB_CACHE", "/var/cache/kvbridge")) / "bin"
+RELEASE = "kvbridge"
+NAMESPACE = "kvbridge-system"
+
+# Kinds (by apiVersion) that Kubernetes 1.20 serves; the chart's kubeVersion floor.
+K8S_120_KINDS = {
+    ("v1", "ServiceAccount"), ("v1", "Service"), ("v1", "Secret"), ("v1", "ConfigMap"),
+    ("apps/v1", "Deployment"),
+    ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("rbac.authorization.k8s.io/v1", "ClusterRole"),
+    ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"),
+    ("admissionregistration.k8s.io/v1", "ValidatingWebhookConfiguration"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("apiextensions.k8s.io/v1", "CustomResourceDefinition"),
+}
+# Kinds from CRDs: ours (crds/) and the optional integrations.
+CRD_KINDS = {
+    ("kopf.dev/v1", "ClusterKopfPeering"), ("kopf.dev/v1", "KopfPeering"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("cert-manager.io/v1", "Certificate"), ("cert-manager.io/v1", "Issuer"),
+}
+
+
+def tool(name: str) -> str | None:
+    """Path of a test-stack binary (KVB_HELM/KVB_KUBECTL, the cache, then PATH)."""
+    env = os.environ.get(f"KVB_{name.upper()}")
+    if env and os.access(env, os.X_OK):
+        return env
+    cached = CACHE_BIN / name
+    if os.access(cached, os.X_OK):
+        return str(cached)
+    return shutil.which(name)
+
+
+class HelmError(RuntimeError):
+    """helm exited non-zero; the message carries its stderr."""
+
+
+def helm(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> str:
+    exe = tool("helm")
+    if exe is None:
+        raise HelmError("helm not found (run hack/test-stack.sh ensure)")
+    proc = subprocess.run(
+        [exe, *args], capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    if proc.returncode != 0:
+        raise HelmError(
+            f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}"
+        )
+    return proc.stdout
+
+
+def values_file(name: str) -> Path:
+    return VALUES_DIR / f"{name}.yaml"
+
+
+def values_files() -> list[str]:
+    return sorted(p.stem for p in VALUES_DIR.glob("*.yaml"))
+
+
+def render(
+    values: str | None = None,
+    *,
+    sets: Sequence[str] = (),
+    kube_version: str | None = None,
+    include_crds: bool = False,
+    namespace: str = NAMESPACE,
+) -> list[dict[str, Any]]:
+    """`helm template` the chart and return the objects (empty documents dropped)."""
+    args = ["template", RELEASE, str(CHART), "--namespace", namespace]
+    if values:
+        args += ["-f", str(values_file(values))]
+    for s in sets:
+        args += ["--set", s]
+    if kube_version:
+        args += ["--kube-version", kube_version]
+    if include_crds:
+        args.append("--include-crds")
+    return [d for d in yaml.safe_load_all(helm(*args)) if d]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One (apiGroup, resource, verb) permission, the unit RBAC comparisons work in."""
+
+    group: str
+    resource: str
+    verb: str
+
+
+def expand_rules(rules: Iterable[dict[str, Any]]) -> set[Rule]:
+    out: set[Rule] = set()
+    for r in rules:
+        assert not r.get("resourceNames"), f"unexpected resourceNames in {r}"
+        assert not r.get("nonResourceURLs"), f"unexpected nonResourceURLs in {r}"
+        for g in r.get("apiGroups", []):
+            for res in r.get("resources", []):
+                for v in r.get("verbs", []):
+                    out.add(Rule(g, res, v))
+    return out
+
+
+def by_kind(objs: Iterable[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objs if o.get("kind") == kind]
+
+
+def one(objs: Iterable[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [o for o in by_kind(objs, kind) if name is None or o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def iter_containers(objs: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for o in by_kind(objs, "Deployment"):
+        spec = o["spec"]["template"]["spec"]
+        yield from spec.get("initContainers", [])
+        yield from spec["containers"]

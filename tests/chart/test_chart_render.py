@@ -1,0 +1,518 @@
+"""Offline checks of charts/kvbridge: lint, rendering over several values files, Kubernetes
+schema validation of every object, the values schema, the CRD copy, RBAC and security."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from chartlib import (
+    CHART,
+    CRD_KINDS,
+    K8S_120_KINDS,
+    NAMESPACE,
+    REPO,
+    HelmError,
+    Rule,
+    by_kind,
+    expand_rules,
+    helm,
+    iter_containers,
+    one,
+    render,
+    tool,
+    values_file,
+    values_files,
+)
+
+pytestmark = pytest.mark.skipif(tool("helm") is None,
+                                reason="helm missing: run hack/test-stack.sh ensure")
+
+# The oldest schema set kubernetes-validate ships; the chart itself targets >= 1.20 (checked
+# separately against K8S_120_KINDS).
+VALIDATE_AS = "1.25.0"
+VALUES = values_files()
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict[str, Any]]]:
+    """Every values file rendered once, as Kubernetes 1.20 would be told."""
+    return {name: render(name, kube_version="1.20.2") for name in VALUES}
+
+
+def test_values_files_cover_the_required_setups() -> None:
+    assert {"defaults", "cluster-wide", "namespaced", "cert-manager",
+            "networkpolicy-servicemonitor"} <= set(VALUES)
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_lint_strict(name: str) -> None:
+    out = helm("lint", "--strict", str(CHART), "-f", str(values_file(name)))
+    assert "0 chart(s) failed" in out
+
+
+def test_crds_are_identical_to_the_source() -> None:
+    src = {p.name: p.read_bytes() for p in (REPO / "crds").glob("*.yaml")}
+    dst = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*.yaml")}
+    assert src, "crds/ holds no CRDs"
+    assert sorted(dst) == sorted(src), "charts/kvbridge/crds/ has other files than crds/"
+    drifted = [n for n in src if src[n] != dst[n]]
+    assert not drifted, f"chart CRDs drifted from crds/: {drifted}; run charts/sync-crds.sh"
+    proc = subprocess.run([str(REPO / "charts" / "sync-crds.sh"), "--check"],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _validate_k8s(obj: dict[str, Any]) -> None:
+    try:
+        kubernetes_validate.validate(obj, VALIDATE_AS, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        path = ".".join(str(p) for p in e.path)
+        where = f"{obj['kind']}/{obj['metadata']['name']}"
+        raise AssertionError(f"{where}: {path}: {e.message}") from None
+
+
+def _crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
+    out = {}
+    for path in sorted((CHART / "crds").glob("*.yaml")):
+        for crd in yaml.safe_load_all(path.read_text()):
+            if not crd:
+                continue
+            spec = crd["spec"]
+            for v in spec["versions"]:
+                out[(f"{spec['group']}/{v['name']}", spec["names"]["kind"])] = (
+                    v["schema"]["openAPIV3Schema"])
+    return out
+
+
+def _check_integration_object(obj: dict[str, Any]) -> None:
+    """Objects of CRDs we do not ship (cert-manager, prometheus-operator): the fields we rely on."""
+    kind, spec = obj["kind"], obj.get("spec", {})
+    if kind == "Certificate":
+        assert spec["secretName"] and spec["dnsNames"] and spec["issuerRef"]["name"]
+        assert spec["issuerRef"]["kind"] in {"Issuer", "ClusterIssuer"}
+    elif kind == "Issuer":
+        assert spec == {"selfSigned": {}}
+    elif kind == "ServiceMonitor":
+        assert spec["selector"]["matchLabels"] and spec["endpoints"][0]["port"] == "metrics"
+        assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_every_object_validates_strictly(name: str, rendered: dict) -> None:
+    crd_schemas = _crd_schemas()
+    objs = rendered[name]
+    assert objs
+    for obj in objs:
+        key = (obj["apiVersion"], obj["kind"])
+        assert key in K8S_120_KINDS | CRD_KINDS, f"{key} is not served by Kubernetes 1.20"
+        if key in K8S_120_KINDS:
+            _validate_k8s(obj)
+        elif key in crd_schemas:
+            jsonschema.validate(obj, crd_schemas[key])
+        else:
+            _check_integration_object(obj)
+        if obj["kind"] not in {"ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering",
+                               "ValidatingWebhookConfiguration"}:
+            assert obj["metadata"].get("namespace"), f"{key} {obj['metadata']['name']}: namespace"
+        assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+
+
+def test_included_crds_validate_strictly() -> None:
+    crds = [o for o in render(include_crds=True) if o["kind"] == "CustomResourceDefinition"]
+    assert {c["metadata"]["name"] for c in crds} >= {
+        "kvtransfers.kvbridge.io", "kvendpoints.kvbridge.io"}
+    for crd in crds:
+        _validate_k8s(crd)
+
+
+def test_kubernetes_validate_rejects_bad_types() -> None:
+    """The validator is really strict: a wrong type and an unknown field are both refused."""
+    objs = render()
+    dep = json.loads(json.dumps(one(objs, "Deployment")))
+    dep["spec"]["replicas"] = "one"
+    with pytest.raises(AssertionError, match="replicas"):
+        _validate_k8s(dep)
+    dep = json.loads(json.dumps(one(objs, "Deployment")))
+    dep["spec"]["template"]["spec"]["containers"][0]["imagePullPolice"] = "Always"
+    with pytest.raises(AssertionError, match="imagePullPolice"):
+        _validate_k8s(dep)
+
+
+# --- values schema --------------------------------------------------------------------------
+
+BAD_VALUES = [
+    (["operator.replicas=2"], "/operator/replicas"),
+    (["operator.replicas=one"], "/operator/replicas': got string, want integer"),
+    (["operator.scope=global"], "'cluster', 'namespaced'"),
+    (["operator.logLevel=verbose"], "/operator/logLevel"),
+    (["operator.watchNamespaces={Team_A}"], "/operator/watchNamespaces/0"),
+    (["image.pullPolicy=Sometimes"], "'Always', 'IfNotPresent', 'Never'"),
+    (["image.digest=latest"], "/image/digest"),
+    (["webhook.failurePolicy=fail"], "'Fail', 'Ignore'"),
+    (["webhook.timeoutSeconds=60"], "/webhook/timeoutSeconds"),
+    (["webhook.certs.source=vault"], "/webhook/certs/source"),
+    (["webhook.certs.source=secret"], "/webhook/certs/secret/name"),
+    (["webhook.certs.certManager.duration=90d"], "/webhook/certs/certManager/duration"),
+    (["metrics.port=70000"], "/metrics/port"),
+    (["networkPolicy.sideChannelPort=0"], "/networkPolicy/sideChannelPort"),
+    (["networkPolicy.peerPorts[0].port=13337"], "/networkPolicy/peerPorts"),
+    (["serviceAccount.create=false"], "/serviceAccount/name"),
+    (["operator.loglevel=debug"], "additional properties 'loglevel' not allowed"),
+    (["replicaCount=3"], "additional properties 'replicaCount' not allowed"),
+]
+
+
+@pytest.mark.parametrize(("sets", "fragment"), BAD_VALUES, ids=[s[0][0] for s in BAD_VALUES])
+def test_schema_rejects_bad_values(sets: list[str], fragment: str) -> None:
+    with pytest.raises(HelmError) as err:
+        render(sets=sets)
+    msg = str(err.value)
+    assert "don't meet the specifications of the schema" in msg
+    assert fragment in msg, msg
+
+
+# Values that are Kubernetes structs passed through as a whole: one comment covers the block.
+K8S_STRUCTS = {"operator.resources", "operator.livenessProbe", "operator.readinessProbe",
+               "networkPolicy.podSelector", "networkPolicy.peerSelector"}
+
+
+def test_schema_describes_every_value() -> None:
+    """values.yaml and values.schema.json agree key for key, and every key has a description
+    in the schema and a comment in values.yaml."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    text = (CHART / "values.yaml").read_text().splitlines()
+
+    def walk(node: dict[str, Any], sch: dict[str, Any], path: str) -> None:
+        for key, val in node.items():
+            where = f"{path}{key}"
+            assert key in sch.get("properties", {}), f"{where} missing from values.schema.json"
+            sub = sch["properties"][key]
+            if isinstance(val, dict) and "properties" in sub and where not in K8S_STRUCTS:
+                walk(val, sub, f"{where}.")
+            else:
+                assert sub.get("description"), f"{where}: no description in the schema"
+                assert _commented(text, key, val), f"{where}: no comment in values.yaml"
+
+    walk(values, schema, "")
+
+
+def _commented(lines: list[str], key: str, value: Any) -> bool:
+    """Some line `key:` in values.yaml is directly preceded by a comment line."""
+    pat = re.compile(rf"^\s*{re.escape(key)}:")
+    for i, line in enumerate(lines):
+        if pat.match(line) and i > 0 and lines[i - 1].strip().startswith("#"):
+            return True
+    return False
+
+
+# --- RBAC -----------------------------------------------------------------------------------
+
+def _roles(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return by_kind(objs, "Role") + by_kind(objs, "ClusterRole")
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_rbac_has_no_wildcards(name: str, rendered: dict) -> None:
+    for role in _roles(rendered[name]):
+        for rule in role["rules"]:
+            for field in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule.get(field, []), f"{role['metadata']['name']}: {rule}"
+            assert not any(r.endswith("/*") for r in rule.get("resources", [])), rule
+
+
+# What the operator uses (keep in step with the operator's RBAC manifest, see
+# test_operator_rules_match_the_operator_manifest). Per watched namespace:
+OPERATOR_NAMESPACED = {
+    *(Rule("kvbridge.io", r, v) for r in ("kvtransfers", "kvendpoints")
+      for v in ("get", "list", "watch", "patch")),
+    *(Rule("kvbridge.io", f"{r}/status", v) for r in ("kvtransfers", "kvendpoints")
+      for v in ("get", "patch")),
+    *(Rule("", "pods", v) for v in ("get", "list", "watch")),
+    Rule("", "events", "create"),
+}
+KOPF_CRD_SCAN = {Rule("apiextensions.k8s.io", "customresourcedefinitions", v)
+                 for v in ("list", "watch")}
+CLUSTER_PEERING = {Rule("kopf.dev", "clusterkopfpeerings", v)
+                   for v in ("get", "list", "watch", "patch")}
+NS_PEERING = {Rule("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")}
+NAMESPACES_WATCH = {Rule("", "namespaces", v) for v in ("list", "watch")}
+AGENT = {
+    *(Rule("kvbridge.io", "kvendpoints", v) for v in ("create", "get", "update", "patch")),
+    *(Rule("kvbridge.io", "kvendpoints/status", v) for v in ("get", "update", "patch")),
+    *(Rule("kvbridge.io", "kvtransfers", v) for v in ("get", "list", "watch")),
+}
+
+
+def _operator_roles(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in _roles(objs)
+            if r["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"]
+
+
+def test_operator_rbac_cluster_scope() -> None:
+    objs = render("defaults")
+    (role,) = _operator_roles(objs)
+    assert role["kind"] == "ClusterRole"
+    assert expand_rules(role["rules"]) == (OPERATOR_NAMESPACED | KOPF_CRD_SCAN
+                                           | CLUSTER_PEERING)
+    binding = one(objs, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvbridge",
+                                    "namespace": NAMESPACE}]
+
+
+def test_operator_rbac_namespaced_scope(rendered: dict) -> None:
+    objs = rendered["namespaced"]
+    roles = _operator_roles(objs)
+    ns_roles = {r["metadata"]["namespace"]: r for r in roles if r["kind"] == "Role"}
+    assert sorted(ns_roles) == ["team-a", "team-b"]
+    for role in ns_roles.values():
+        assert expand_rules(role["rules"]) == OPERATOR_NAMESPACED | NS_PEERING
+    (cluster_role,) = [r for r in roles if r["kind"] == "ClusterRole"]
+    # Cluster-level: only what kopf reads to discover resources and namespaces.
+    assert expand_rules(cluster_role["rules"]) == KOPF_CRD_SCAN | NAMESPACES_WATCH
+    bindings = [b for b in by_kind(objs, "RoleBinding") if b["roleRef"]["name"] == "kvbridge"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    for b in bindings:
+        assert b["subjects"][0]["namespace"] == NAMESPACE
+    assert {p["metadata"]["namespace"] for p in by_kind(objs, "KopfPeering")} == {
+        "team-a", "team-b"}
+    assert not by_kind(objs, "ClusterKopfPeering")
+
+
+def test_namespaced_scope_defaults_to_the_release_namespace() -> None:
+    objs = render(sets=["operator.scope=namespaced"])
+    (role,) = [r for r in _operator_roles(objs) if r["kind"] == "Role"]
+    assert role["metadata"]["namespace"] == NAMESPACE
+    cmd = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert f"--namespace={NAMESPACE}" in cmd and "--all-namespaces" not in cmd
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_agent_rbac_is_exactly_endpoint_publishing(name: str, rendered: dict) -> None:
+    objs = rendered[name]
+    agent_roles = [r for r in _roles(objs)
+                   if r["metadata"]["labels"]["app.kubernetes.io/component"] == "agent"]
+    assert all(r["kind"] == "Role" for r in agent_roles)
+    for role in agent_roles:
+        assert expand_rules(role["rules"]) == AGENT
+
+
+def test_agent_objects_per_namespace(rendered: dict) -> None:
+    objs = rendered["cluster-wide"]
+    sas = {(s["metadata"]["namespace"], s["metadata"]["name"])
+           for s in by_kind(objs, "ServiceAccount")}
+    assert {("serving-a", "kvbridge-agent"), ("serving-b", "kvbridge-agent")} <= sas
+    for ns in ("serving-a", "serving-b"):
+        rb = one([b for b in by_kind(objs, "RoleBinding") if b["metadata"]["namespace"] == ns],
+                 "RoleBinding")
+        assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                 "name": "kvbridge-agent"}
+        assert [s["name"] for s in rb["subjects"]] == ["kvbridge-agent", "vllm"]
+        assert {s["namespace"] for s in rb["subjects"]} == {ns}
+    assert not _roles(rendered["minimal"]) or all(
+        r["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+        for r in _roles(rendered["minimal"]))
+
+
+# --- Deployment -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", VALUES)
+def test_containers_are_locked_down(name: str, rendered: dict) -> None:
+    objs = rendered[name]
+    dep = one(objs, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for c in iter_containers(objs):
+        sc = c["securityContext"]
+        assert sc["runAsNonRoot"] is True
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+        assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+        assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+        assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+
+
+def _command(objs: list[dict[str, Any]]) -> list[str]:
+    return one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["command"]
+
+
+def test_operator_command_line(rendered: dict) -> None:
+    cmd = _command(rendered["defaults"])
+    assert cmd[:3] == ["kopf", "run", "--module=kvbridge_operator.main"]
+    assert "--all-namespaces" in cmd and "--peering=kvbridge" in cmd
+    assert "--liveness=http://0.0.0.0:8080/healthz" in cmd
+    assert not {"--debug", "--quiet", "--standalone"} & set(cmd)
+
+    cmd = _command(rendered["namespaced"])
+    assert [a for a in cmd if a.startswith("--namespace=")] == [
+        "--namespace=team-a", "--namespace=team-b"]
+    assert "--quiet" in cmd and "--all-namespaces" not in cmd
+
+    cmd = _command(rendered["cluster-wide"])
+    assert {"--debug", "--log-format=json", "--peering=kvbridge-prod", "--priority=10",
+            "--log-refkey=kvbridge"} <= set(cmd)
+    assert "--standalone" in _command(rendered["minimal"])
+
+
+def test_image_reference() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    image = one(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image == f"ghcr.io/kvbridge/kvbridge-operator:{chart['appVersion']}"
+    image = one(render(sets=["image.tag=dev"]), "Deployment")[
+        "spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image.endswith(":dev")
+    objs = render("cluster-wide")
+    image = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image.startswith("ghcr.io/kvbridge/kvbridge-operator@sha256:")
+
+
+def test_chart_metadata() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2"
+    assert chart["kubeVersion"].startswith(">=1.20")
+    with pytest.raises(HelmError, match="kubeVersion"):
+        render(kube_version="1.19.0")
+
+
+# --- webhook --------------------------------------------------------------------------------
+
+def _openssl_text(pem: bytes) -> str:
+    return subprocess.run(["openssl", "x509", "-noout", "-text"], input=pem,
+                          capture_output=True, check=True).stdout.decode()
+
+
+def test_generated_webhook_certificate(rendered: dict, tmp_path: Path) -> None:
+    objs = rendered["defaults"]
+    secret = one(objs, "Secret", "kvbridge-webhook-tls")
+    assert secret["type"] == "kubernetes.io/tls"
+    vwc = one(objs, "ValidatingWebhookConfiguration")
+    ca = secret["data"]["ca.crt"]
+    assert all(w["clientConfig"]["caBundle"] == ca for w in vwc["webhooks"])
+    cert = _openssl_text(base64.b64decode(secret["data"]["tls.crt"]))
+    for dns in ("kvbridge-webhook", f"kvbridge-webhook.{NAMESPACE}",
+                f"kvbridge-webhook.{NAMESPACE}.svc"):
+        assert f"DNS:{dns}" in cert
+    # The serving certificate is signed by the CA in the bundle.
+    with_ca = tmp_path / "ca.pem"
+    with_ca.write_bytes(base64.b64decode(ca))
+    proc = subprocess.run(["openssl", "verify", "-CAfile", str(with_ca)],
+                          input=base64.b64decode(secret["data"]["tls.crt"]),
+                          capture_output=True, check=False)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+
+
+def test_webhook_configuration(rendered: dict) -> None:
+    vwc = one(rendered["defaults"], "ValidatingWebhookConfiguration")
+    plurals = set()
+    for w in vwc["webhooks"]:
+        (rule,) = w["rules"]
+        assert rule["apiGroups"] == ["kvbridge.io"] and rule["apiVersions"] == ["v1alpha1"]
+        assert rule["operations"] == ["CREATE", "UPDATE"]
+        plurals.update(rule["resources"])
+        svc = w["clientConfig"]["service"]
+        assert (svc["name"], svc["namespace"], svc["port"]) == (
+            "kvbridge-webhook", NAMESPACE, 443)
+        assert w["failurePolicy"] == "Fail" and w["sideEffects"] == "None"
+        assert "namespaceSelector" not in w
+    assert plurals == {"kvtransfers", "kvendpoints"}
+
+    ns_vwc = one(rendered["namespaced"], "ValidatingWebhookConfiguration")
+    assert ns_vwc["metadata"]["name"] == f"kvbridge-{NAMESPACE}"
+    assert {w["failurePolicy"] for w in ns_vwc["webhooks"]} == {"Ignore"}
+    # Kubernetes 1.20 has no kubernetes.io/metadata.name label; 1.21+ does.
+    assert all("namespaceSelector" not in w for w in ns_vwc["webhooks"])
+    newer = one(render("namespaced", kube_version="1.25.0"), "ValidatingWebhookConfiguration")
+    for w in newer["webhooks"]:
+        assert w["namespaceSelector"]["matchExpressions"] == [{
+            "key": "kubernetes.io/metadata.name", "operator": "In",
+            "values": ["team-a", "team-b"]}]
+
+
+def test_cert_manager_certificates(rendered: dict) -> None:
+    objs = rendered["cert-manager"]
+    assert not by_kind(objs, "Secret"), "cert-manager writes the Secret, the chart must not"
+    cert = one(objs, "Certificate")
+    issuer = one(objs, "Issuer")
+    assert cert["spec"]["issuerRef"] == {"name": issuer["metadata"]["name"], "kind": "Issuer",
+                                         "group": "cert-manager.io"}
+    assert cert["spec"]["secretName"] == "kvbridge-webhook-tls"
+    assert f"kvbridge-webhook.{NAMESPACE}.svc" in cert["spec"]["dnsNames"]
+    vwc = one(objs, "ValidatingWebhookConfiguration")
+    assert vwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == (
+        f"{NAMESPACE}/{cert['metadata']['name']}")
+    assert all("caBundle" not in w["clientConfig"] for w in vwc["webhooks"])
+    dep = one(objs, "Deployment")
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert vols["webhook-tls"]["secret"]["secretName"] == "kvbridge-webhook-tls"
+
+    objs = rendered["cert-manager-issuer"]
+    assert not by_kind(objs, "Issuer")
+    assert one(objs, "Certificate")["spec"]["issuerRef"] == {
+        "name": "internal-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+
+
+def test_own_certificate_secret() -> None:
+    bundle = base64.b64encode(b"-----BEGIN CERTIFICATE-----\n...").decode()
+    objs = render(sets=["webhook.certs.source=secret", "webhook.certs.secret.name=my-tls",
+                        f"webhook.certs.secret.caBundle={bundle}"])
+    assert not by_kind(objs, "Secret") and not by_kind(objs, "Certificate")
+    vwc = one(objs, "ValidatingWebhookConfiguration")
+    assert {w["clientConfig"]["caBundle"] for w in vwc["webhooks"]} == {bundle}
+    vols = one(objs, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "webhook-tls", "secret": {"secretName": "my-tls", "defaultMode": 0o440}} in vols
+
+
+def test_webhook_disabled(rendered: dict) -> None:
+    objs = rendered["minimal"]
+    assert not by_kind(objs, "ValidatingWebhookConfiguration")
+    assert not by_kind(objs, "Secret")
+    assert [s["metadata"]["name"] for s in by_kind(objs, "Service")] == []
+    c = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert [p["name"] for p in c["ports"]] == ["health"]
+
+
+# --- metrics and NetworkPolicy --------------------------------------------------------------
+
+def test_metrics_service_and_servicemonitor(rendered: dict) -> None:
+    objs = rendered["networkpolicy-servicemonitor"]
+    svc = one(objs, "Service", "kvbridge-metrics")
+    assert svc["spec"]["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics",
+                                     "protocol": "TCP"}]
+    sm = one(objs, "ServiceMonitor")
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    assert all(svc["metadata"]["labels"][k] == v
+               for k, v in sm["spec"]["selector"]["matchLabels"].items())
+    assert not by_kind(rendered["defaults"], "ServiceMonitor")
+
+
+def test_networkpolicy(rendered: dict) -> None:
+    assert not by_kind(rendered["defaults"], "NetworkPolicy")
+    pol = one(rendered["networkpolicy-servicemonitor"], "NetworkPolicy")
+    spec = pol["spec"]
+    assert spec["podSelector"] == {"matchLabels": {"kvbridge.io/agent": "true"}}
+    assert spec["policyTypes"] == ["Ingress"]
+    peers, open_ports, extra = spec["ingress"]
+    assert peers["from"] == [{"podSelector": {"matchLabels": {"kvbridge.io/agent": "true"}}}]
+    assert peers["ports"] == [{"port": 5600, "protocol": "TCP"},
+                              {"port": 13337, "protocol": "TCP"}]
+    assert "from" not in open_ports
+    assert open_ports["ports"] == [{"port": 8000, "protocol": "TCP"},
+                                   {"port": "metrics", "protocol": "TCP"}]
+    assert extra["ports"] == [{"port": 9100, "protocol": "TCP"}]
+    # Default: peers reach every port (UCX picks data-plane ports at run time).
+    pol = one(render(sets=["networkPolicy.enabled=true"]), "NetworkPolicy")
+    assert "ports" not in pol["spec"]["ingress"][0]
