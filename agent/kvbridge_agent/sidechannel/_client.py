@@ -121,8 +121,8 @@ class SideChannelClient:
     def __init__(
         self, *, context: zmq.Context | None = None, max_reply_bytes: int = MAX_REPLY_BYTES
     ) -> None:
-        self._own_ctx = context is None
-        self._ctx = context or zmq.Context()
+        # The process-wide context by default: creating one per handshake costs its I/O thread.
+        self._ctx = context or zmq.Context.instance()
         self._max_reply_bytes = max_reply_bytes
         self._conns: dict[str, _Conn] = {}
 
@@ -228,11 +228,9 @@ class SideChannelClient:
             conn.close()
 
     def close(self) -> None:
-        """Close all sockets (and the context if this client created it). Idempotent."""
+        """Close this client's sockets (the context stays open: it is shared). Idempotent."""
         for endpoint in list(self._conns):
             self._discard(endpoint)
-        if self._own_ctx and not self._ctx.closed:
-            self._ctx.term()
 
     def __enter__(self) -> SideChannelClient:
         return self
