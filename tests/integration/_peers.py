@@ -57,6 +57,7 @@ class EngineSpec:
     block_size: int = 16
     ppl: int = 1
     seed: int = 1
+    pattern: bool = True      # False: leave memory zeroed (big fault-test pools)
 
     @property
     def name(self) -> str:
@@ -170,7 +171,8 @@ class _Host:
         )
 
         memory = Memory(spec)
-        memory.fill_pattern(spec.seed)
+        if spec.pattern:
+            memory.fill_pattern(spec.seed)
         agent = NixlAgent(spec.name, AgentConfig(mem_types=CPU_TEST_MEM_TYPES))
         local = LocalEngine(agent, memory.views(), EngineFacts(
             spec.engine_id, tp_rank=spec.tp_rank, tp_size=spec.tp_size,
@@ -212,6 +214,13 @@ class _Host:
         h = self.engines[engine_id]
         h.push.start(req)
         return _result_dict(h.push.wait(req.request_id, timeout_s))
+
+    def remaining_lease(self, engine_id: str, request_id: str) -> float | None:
+        expiry = self.engines[engine_id].tracker.expiry(request_id)
+        return None if expiry is None else expiry - time.monotonic()
+
+    def metadata(self, engine_id: str) -> bytes:
+        return self.engines[engine_id].agent.metadata()
 
     def close(self, engine_id: str) -> None:
         h = self.engines.pop(engine_id)
