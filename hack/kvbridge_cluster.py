@@ -72,7 +72,9 @@ class Binaries:
         paths = {k: Path(v) for k, v in candidates.items()}
         missing = [f"{k}={p}" for k, p in paths.items() if not os.access(p, os.X_OK)]
         if missing:
-            raise StackMissingError(f"test stack binaries missing ({', '.join(missing)}): {ENSURE_HINT}")
+            raise StackMissingError(
+                f"test stack binaries missing ({', '.join(missing)}): {ENSURE_HINT}"
+            )
         return cls(**paths)
 
 
@@ -225,12 +227,14 @@ class LocalCluster:
         while time.monotonic() < deadline:
             for p in self._procs:
                 if p.poll() is not None:
-                    raise RuntimeError(f"{p.name} exited with {p.returncode}; see {self.log(p.name)}")  # type: ignore[attr-defined]
+                    raise RuntimeError(
+                        f"{p.name} exited with {p.returncode}; see {self.log(p.name)}"
+                    )  # type: ignore[attr-defined]
             try:
                 with urllib.request.urlopen(req, context=ctx, timeout=2) as resp:
                     if resp.status == 200:
                         return
-            except Exception as exc:  # noqa: BLE001 - keep polling until the deadline
+            except Exception as exc:
                 last = str(exc)
             time.sleep(0.2)
         raise TimeoutError(f"kube-apiserver not ready at {self.server}/readyz: {last}")
@@ -290,11 +294,17 @@ current-context: {user}@local
         return out
 
     def kubectl(
-        self, *args: str, input: str | None = None, check: bool = True, kubeconfig: Path | None = None
+        self,
+        *args: str,
+        input: str | None = None,
+        check: bool = True,
+        kubeconfig: Path | None = None,
     ) -> subprocess.CompletedProcess[str]:
         """Run kubectl against this cluster; returns the completed process (text)."""
         cmd = [str(self.binaries.kubectl), f"--kubeconfig={kubeconfig or self.kubeconfig}", *args]
-        return subprocess.run(cmd, input=input, capture_output=True, text=True, check=check, timeout=60)
+        return subprocess.run(
+            cmd, input=input, capture_output=True, text=True, check=check, timeout=60
+        )
 
     def api_client(self, kubeconfig: Path | None = None) -> Any:
         """An official-client ``ApiClient`` for this cluster (admin unless told otherwise)."""
@@ -385,7 +395,7 @@ class FakeKubelet:
                         return
                     if ev["type"] in ("ADDED", "MODIFIED"):
                         self._handle(ev["object"])
-            except Exception:  # noqa: BLE001 - reconnect; the watch may expire or the API restart
+            except Exception:
                 if self._stop.wait(0.5):
                     return
 

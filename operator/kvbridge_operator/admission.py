@@ -1,0 +1,179 @@
+"""Admission checks the CRD schema cannot express (Kubernetes 1.20 has no CEL). Pure.
+
+Each check returns messages that start with the field path, say what was expected and what
+was found. Prefill-against-decode compatibility is not checked here: it needs both objects
+and belongs to the planner, which runs the agent's own ``validate_remote``.
+
+KVEndpoint: protocol version, TP rank below TP size, unique region names, block stride at
+least block length, memory types valid for the role and mode (push rejects mixed memory,
+a pull producer must be single-type, mixed memory needs MLA), immutable identity fields and
+a non-decreasing epoch on update.
+
+KVTransfer: protocol version, TP sizes that divide one another, the topology key of the
+TopologyAware policy, compatible expected block sizes and region counts.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from kvbridge_agent.geometry import GeometryError, tp_ratio
+from kvbridge_agent.protocol import NIXL_CONNECTOR_VERSION
+
+from .config import PREFILL
+from .errors import SpecError
+from .spec import Endpoint, parse_endpoint, parse_transfer
+
+IMMUTABLE_ENDPOINT_FIELDS = ("transferName", "role", "engineId", "podName")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def _protocol(path: str, version: int) -> list[str]:
+    if version == NIXL_CONNECTOR_VERSION:
+        return []
+    return [
+        f"{path}: expected {NIXL_CONNECTOR_VERSION} (the NIXL connector version kvbridge "
+        f"speaks), got {version}"
+    ]
+
+
+def check_endpoint(body: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> list[str]:
+    """Messages for everything wrong with a KVEndpoint; empty when it is admissible."""
+    try:
+        e = parse_endpoint(body)
+    except SpecError as exc:
+        return [str(exc)]
+    errors = _protocol("spec.protocolVersion", e.protocol_version)
+    if e.tp_rank >= e.tp_size:
+        errors.append(
+            f"spec.tpRank: expected a rank below spec.tpSize ({e.tp_size}), got {e.tp_rank}"
+        )
+    errors += _regions(e)
+    errors += _memory(e)
+    if old:
+        errors += _update(e, old)
+    return errors
+
+
+def _regions(e: Endpoint) -> list[str]:
+    errors = []
+    first: dict[str, int] = {}
+    for i, r in enumerate(e.geometry.regions):
+        path = f"spec.geometry.regions[{i}]"
+        if r.name in first:
+            errors.append(
+                f"{path}.name: {r.name!r} duplicates spec.geometry.regions[{first[r.name]}].name; "
+                "region names must be unique (P and D pair regions by name and order)"
+            )
+        first.setdefault(r.name, i)
+        if r.block_stride < r.block_len:
+            errors.append(
+                f"{path}.blockStride: expected at least blockLen ({r.block_len}), got "
+                f"{r.block_stride}; a block stride must cover its block"
+            )
+    return errors
+
+
+def _memory(e: Endpoint) -> list[str]:
+    types = sorted({r.mem_type for r in e.geometry.regions})
+    if len(types) < 2:
+        return []
+    where = "spec.geometry.regions[*].memType"
+    first = {t: next(i for i, r in enumerate(e.geometry.regions) if r.mem_type == t) for t in types}
+    found = ", ".join(f"{t} (first at regions[{i}])" for t, i in first.items())
+    errors = []
+    if e.mode == "push":
+        errors.append(
+            f"{where}: push mode needs a single memory type (NixlPushConnector does not support "
+            f"mixed-memory KV caches), got {found}; use mode pull or one memory type"
+        )
+    elif e.role == PREFILL:
+        errors.append(
+            f"{where}: a pull-mode prefill endpoint needs a single memory type (NIXL pull does "
+            f"not yet support a mixed-memory producer), got {found}"
+        )
+    if not e.geometry.is_mla:
+        errors.append(
+            f"{where}: mixed DRAM/VRAM regions are only supported for MLA models "
+            f"(spec.geometry.isMla: true), got {found} with isMla false"
+        )
+    return errors
+
+
+def _update(e: Endpoint, old: Mapping[str, Any]) -> list[str]:
+    errors = []
+    old_spec = old.get("spec") or {}
+    new_spec = {
+        "transferName": e.transfer,
+        "role": e.role,
+        "engineId": e.engine_id,
+        "podName": e.pod_name,
+    }
+    for key in IMMUTABLE_ENDPOINT_FIELDS:
+        if key in old_spec and old_spec[key] != new_spec[key]:
+            errors.append(
+                f"spec.{key}: field is immutable (was {old_spec[key]!r}, got {new_spec[key]!r}); "
+                "delete the KVEndpoint and create a new one"
+            )
+    old_epoch = old_spec.get("epoch")
+    if isinstance(old_epoch, int) and e.epoch < old_epoch:
+        errors.append(
+            f"spec.epoch: expected a value >= the current epoch {old_epoch}, got {e.epoch}; "
+            "epochs only grow (a restarted agent publishes a newer one)"
+        )
+    return errors
+
+
+def check_transfer(body: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> list[str]:
+    """Messages for everything wrong with a KVTransfer; empty when it is admissible."""
+    del old  # every KVTransfer field may change; the operator re-plans
+    try:
+        t = parse_transfer(body)
+    except SpecError as exc:
+        return [str(exc)]
+    errors = _protocol("spec.protocolVersion", t.protocol_version)
+    try:
+        tp_ratio(t.decode.tp_size, t.prefill.tp_size)
+    except GeometryError:
+        errors.append(
+            f"spec.decode.tensorParallelSize: expected a multiple or divisor of "
+            f"spec.prefill.tensorParallelSize ({t.prefill.tp_size}), got {t.decode.tp_size}"
+        )
+    if t.policy == "TopologyAware" and not t.topology_key:
+        errors.append(
+            "spec.pairing.topologyKey: required by policy TopologyAware (a node label key, "
+            "e.g. topology.kubernetes.io/zone), got nothing"
+        )
+    elif t.topology_key and t.policy != "TopologyAware":
+        errors.append(
+            f"spec.pairing.topologyKey: only used by policy TopologyAware, got it with "
+            f"policy {t.policy}; remove it or set spec.pairing.policy: TopologyAware"
+        )
+    if t.topology_key and not _is_label_key(t.topology_key):
+        errors.append(
+            f"spec.pairing.topologyKey: expected a label key ([prefix/]name, name <= 63 "
+            f"alphanumeric, '-', '_' or '.'), got {t.topology_key!r}"
+        )
+    pe, de = t.prefill.expected, t.decode.expected
+    if pe and de and pe.block_size and de.block_size and de.block_size % pe.block_size:
+        errors.append(
+            f"spec.decode.expectedGeometry.blockSize: expected a multiple of "
+            f"spec.prefill.expectedGeometry.blockSize ({pe.block_size}), got {de.block_size} "
+            "(decode blocks must split into whole prefill blocks)"
+        )
+    if pe and de and pe.num_regions and de.num_regions and pe.num_regions != de.num_regions:
+        errors.append(
+            f"spec.decode.expectedGeometry.numRegions: expected "
+            f"spec.prefill.expectedGeometry.numRegions ({pe.num_regions}), got {de.num_regions}"
+        )
+    return errors
+
+
+def _is_label_key(key: str) -> bool:
+    prefix, _, name = key.rpartition("/")
+    if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix)):
+        return False
+    return bool(_LABEL_NAME.fullmatch(name))

@@ -1,0 +1,77 @@
+"""Names the operator shares with the CRDs, and its runtime settings (``KVBRIDGE_*``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+GROUP = "kvbridge.io"
+VERSION = "v1alpha1"
+TRANSFERS = "kvtransfers"
+ENDPOINTS = "kvendpoints"
+#: kopf finalizer on KVTransfers (clears the endpoints' peers before the transfer goes).
+FINALIZER = "kvbridge.io/finalizer"
+#: Prefix of kopf's progress/diff-base annotations (``kvbridge.io/...``).
+ANNOTATION_PREFIX = "kvbridge.io"
+
+PREFILL, DECODE = "prefill", "decode"
+ROLES = (PREFILL, DECODE)
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw else default
+    except ValueError as exc:
+        raise ValueError(f"{name}: expected an integer, got {raw!r}") from exc
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        return float(raw) if raw else default
+    except ValueError as exc:
+        raise ValueError(f"{name}: expected a number, got {raw!r}") from exc
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Operator settings, read once at startup from the environment."""
+
+    #: Prometheus metrics port (KVBRIDGE_METRICS_PORT, 0 disables).
+    metrics_port: int = 8080
+    #: Address the metrics server binds (KVBRIDGE_METRICS_ADDR).
+    metrics_addr: str = "0.0.0.0"
+    #: Admission webhook HTTPS port (KVBRIDGE_WEBHOOK_PORT, 0 disables the webhook server).
+    webhook_port: int = 0
+    #: Address the webhook server binds (KVBRIDGE_WEBHOOK_ADDR).
+    webhook_addr: str = "0.0.0.0"
+    #: PEM certificate and key for the webhook (KVBRIDGE_WEBHOOK_CERT / KVBRIDGE_WEBHOOK_KEY);
+    #: when unset a self-signed pair for KVBRIDGE_WEBHOOK_HOST is generated with openssl.
+    webhook_cert: str = ""
+    webhook_key: str = ""
+    webhook_host: str = "localhost"
+    #: kopf peering name (KVBRIDGE_PEERING); empty runs standalone (single replica).
+    peering: str = "kvbridge"
+    #: Seconds to wait after a change before re-planning, so bursts coalesce (KVBRIDGE_DEBOUNCE).
+    debounce: float = 0.2
+    #: Seconds between unconditional re-plans of a KVTransfer (KVBRIDGE_RESYNC).
+    resync: float = 300.0
+    #: Concurrent status patches per KVTransfer (KVBRIDGE_WRITE_CONCURRENCY).
+    write_concurrency: int = 8
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        return cls(
+            metrics_port=_env_int("KVBRIDGE_METRICS_PORT", cls.metrics_port),
+            metrics_addr=os.environ.get("KVBRIDGE_METRICS_ADDR", cls.metrics_addr),
+            webhook_port=_env_int("KVBRIDGE_WEBHOOK_PORT", cls.webhook_port),
+            webhook_addr=os.environ.get("KVBRIDGE_WEBHOOK_ADDR", cls.webhook_addr),
+            webhook_cert=os.environ.get("KVBRIDGE_WEBHOOK_CERT", ""),
+            webhook_key=os.environ.get("KVBRIDGE_WEBHOOK_KEY", ""),
+            webhook_host=os.environ.get("KVBRIDGE_WEBHOOK_HOST", cls.webhook_host),
+            peering=os.environ.get("KVBRIDGE_PEERING", cls.peering),
+            debounce=_env_float("KVBRIDGE_DEBOUNCE", cls.debounce),
+            resync=_env_float("KVBRIDGE_RESYNC", cls.resync),
+            write_concurrency=_env_int("KVBRIDGE_WRITE_CONCURRENCY", cls.write_concurrency),
+        )

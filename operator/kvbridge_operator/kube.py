@@ -1,0 +1,71 @@
+"""The only Kubernetes API caller besides kopf itself: status merge patches.
+
+Uses the official client in a small thread pool (it is synchronous). 404 on a patch is
+tolerated (the object went away; its deletion triggers a new plan anyway); other API errors
+become :class:`KubeError` naming the object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from .config import ENDPOINTS, GROUP, TRANSFERS, VERSION
+
+
+class KubeError(RuntimeError):
+    """A Kubernetes API call failed (other than 404)."""
+
+
+def load_api_client() -> client.ApiClient:
+    """In-cluster credentials when available, else KUBECONFIG / ~/.kube/config."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+class Kube:
+    def __init__(self, api_client: client.ApiClient | None = None, concurrency: int = 8) -> None:
+        self._api = client.CustomObjectsApi(api_client or load_api_client())
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kvb-kube")
+
+    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    async def _patch_status(self, plural: str, namespace: str, name: str, status: dict) -> bool:
+        try:
+            await self._call(
+                self._api.patch_namespaced_custom_object_status,
+                GROUP,
+                VERSION,
+                namespace,
+                plural,
+                name,
+                {"status": status},
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise KubeError(
+                f"patching {plural}/{name} status in {namespace}: {exc.status} {exc.reason}"
+            ) from exc
+        return True
+
+    async def patch_transfer_status(self, namespace: str, name: str, status: dict) -> bool:
+        """Merge-patch a KVTransfer's status; False when the object is gone."""
+        return await self._patch_status(TRANSFERS, namespace, name, status)
+
+    async def patch_endpoint_status(self, namespace: str, name: str, status: dict) -> bool:
+        """Merge-patch operator-owned KVEndpoint status keys; False when the object is gone."""
+        return await self._patch_status(ENDPOINTS, namespace, name, status)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

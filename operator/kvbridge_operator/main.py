@@ -1,0 +1,136 @@
+"""kopf registration: run with ``kopf run --all-namespaces -m kvbridge_operator.main``.
+
+Handlers only translate kopf kwargs and call into ``reconciler`` / ``admission``:
+
+- ``endpoints_by_transfer`` / ``node_labels``: in-memory indexes fed by kopf's watches;
+- ``endpoint_event`` / ``transfer_event``: wake the KVTransfer's planning loop;
+- ``plan_transfer``: the per-KVTransfer daemon (plan, write, wait);
+- ``release_endpoints``: on KVTransfer deletion (finalizer ``kvbridge.io/finalizer``);
+- ``validate_kvendpoint`` / ``validate_kvtransfer``: admission webhooks;
+- ``configure``: settings (finalizer, annotations, peering, webhook server, metrics).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from . import admission, metrics, reconciler, webhook
+from .config import ANNOTATION_PREFIX, ENDPOINTS, FINALIZER, GROUP, TRANSFERS, VERSION, Settings
+from .errors import SpecError
+from .kube import Kube
+from .spec import Endpoint, parse_endpoint
+
+log = logging.getLogger("kvbridge.operator")
+_STATE: dict[str, Any] = {}
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """Operator settings from KVBRIDGE_* variables (see :class:`config.Settings`)."""
+    cfg = _STATE["settings"] = Settings.from_env()
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=ANNOTATION_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    settings.posting.loggers = False  # Events only on condition transitions (reconciler).
+    settings.peering.standalone = not cfg.peering
+    if cfg.peering:
+        settings.peering.name = cfg.peering
+        settings.peering.mandatory = True
+    if cfg.webhook_port:
+        settings.admission.server = webhook.server(cfg)
+    _STATE["kube"] = Kube(concurrency=cfg.write_concurrency)
+    metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+
+
+@kopf.on.cleanup()
+def shutdown(**_: Any) -> None:
+    kube = _STATE.pop("kube", None)
+    if kube is not None:
+        kube.close()
+
+
+@kopf.index(GROUP, VERSION, ENDPOINTS)
+def endpoints_by_transfer(body: kopf.Body, namespace: str, name: str, **_: Any) -> Any:
+    """(namespace, transferName) -> parsed KVEndpoints; unparsable ones are logged, left out."""
+    try:
+        endpoint = parse_endpoint(body)
+    except SpecError as exc:
+        log.warning("KVEndpoint %s/%s ignored: %s", namespace, name, exc)
+        return None
+    return {(namespace, endpoint.transfer): endpoint}
+
+
+@kopf.index("v1", "nodes")
+def node_labels(name: str, labels: kopf.Labels, **_: Any) -> Any:
+    """node name -> labels, for the TopologyAware pairing policy."""
+    return {name: dict(labels)}
+
+
+@kopf.on.event(GROUP, VERSION, ENDPOINTS)
+def endpoint_event(namespace: str, spec: kopf.Spec, **_: Any) -> None:
+    reconciler.wake(namespace, spec.get("transferName"))
+
+
+@kopf.on.event(GROUP, VERSION, TRANSFERS)
+def transfer_event(namespace: str, name: str, **_: Any) -> None:
+    reconciler.wake(namespace, name)
+
+
+@kopf.daemon(GROUP, VERSION, TRANSFERS, id="plan", cancellation_timeout=5.0)
+async def plan_transfer(
+    name: str,
+    namespace: str,
+    body: kopf.Body,
+    stopped: kopf.DaemonStopped,
+    endpoints_by_transfer: kopf.Index,
+    node_labels: kopf.Index,
+    **_: Any,
+) -> None:
+    """Plan this KVTransfer whenever its endpoints or spec change (see reconciler)."""
+    await reconciler.run(
+        namespace=namespace,
+        name=name,
+        body=body,
+        endpoints=lambda: _endpoints(endpoints_by_transfer, namespace, name),
+        nodes=lambda: {k: next(iter(v), {}) for k, v in node_labels.items()},
+        kube=_STATE["kube"],
+        settings=_STATE["settings"],
+        emit=lambda type_, reason, msg: kopf.event(body, type=type_, reason=reason, message=msg),
+        stopped=stopped,
+    )
+
+
+@kopf.on.delete(GROUP, VERSION, TRANSFERS, id="release")
+async def release_endpoints(
+    name: str, namespace: str, endpoints_by_transfer: kopf.Index, **_: Any
+) -> None:
+    """Withdraw peers from the endpoints of a deleted KVTransfer."""
+    await reconciler.release(
+        namespace, name, _endpoints(endpoints_by_transfer, namespace, name), _STATE["kube"]
+    )
+
+
+@kopf.on.validate(GROUP, VERSION, ENDPOINTS, id="validate-kvendpoint")
+def validate_kvendpoint(body: kopf.Body, old: Any, **_: Any) -> None:
+    _admit(admission.check_endpoint(body, old))
+
+
+@kopf.on.validate(GROUP, VERSION, TRANSFERS, id="validate-kvtransfer")
+def validate_kvtransfer(body: kopf.Body, old: Any, **_: Any) -> None:
+    _admit(admission.check_transfer(body, old))
+
+
+def _admit(problems: list[str]) -> None:
+    if problems:
+        raise kopf.AdmissionError("; ".join(problems), code=422)
+
+
+def _endpoints(index: kopf.Index, namespace: str, name: str) -> list[Endpoint]:
+    return [e for e in index.get((namespace, name), ()) if isinstance(e, Endpoint)]

@@ -1,0 +1,65 @@
+"""Prometheus metrics of the operator (served by :func:`serve` on KVBRIDGE_METRICS_PORT)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from .planner import EndpointState, PairState, Plan
+
+RECONCILES = Counter(
+    "kvbridge_reconciles_total", "KVTransfer plans computed, by result.", ["result"]
+)
+RECONCILE_SECONDS = Histogram(
+    "kvbridge_reconcile_duration_seconds",
+    "Time to plan one KVTransfer and write the changed statuses.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+STATUS_WRITES = Counter(
+    "kvbridge_status_writes_total", "Status patches sent, by resource kind.", ["kind"]
+)
+ENDPOINTS = Gauge(
+    "kvbridge_endpoints",
+    "KVEndpoints by role and operator state.",
+    ["namespace", "transfer", "role", "state"],
+)
+PAIRS = Gauge("kvbridge_pairs", "Engine pairs by state.", ["namespace", "transfer", "state"])
+INCOMPATIBLE_PAIRS = Gauge(
+    "kvbridge_incompatible_pairs",
+    "Decode/prefill engine pairs that fail a compatibility rule.",
+    ["namespace", "transfer"],
+)
+
+
+def record(namespace: str, transfer: str, plan: Plan) -> None:
+    for role in ("prefill", "decode"):
+        for state in EndpointState:
+            n = sum(1 for e in plan.endpoints if e.role == role and e.state is state)
+            ENDPOINTS.labels(namespace, transfer, role, str(state)).set(n)
+    for state in PairState:
+        PAIRS.labels(namespace, transfer, str(state)).set(
+            sum(1 for p in plan.pairs if p.state is state)
+        )
+    INCOMPATIBLE_PAIRS.labels(namespace, transfer).set(plan.incompatible_pairs)
+
+
+def forget(namespace: str, transfer: str) -> None:
+    """Drop the series of a deleted KVTransfer."""
+    for role in ("prefill", "decode"):
+        for state in EndpointState:
+            _remove(ENDPOINTS, namespace, transfer, role, str(state))
+    for state in PairState:
+        _remove(PAIRS, namespace, transfer, str(state))
+    _remove(INCOMPATIBLE_PAIRS, namespace, transfer)
+
+
+def _remove(metric: Gauge, *labels: str) -> None:
+    with contextlib.suppress(KeyError):
+        metric.remove(*labels)
+
+
+def serve(port: int, addr: str = "0.0.0.0") -> None:
+    """Start the metrics HTTP server in a daemon thread (no-op for port 0)."""
+    if port:
+        start_http_server(port, addr=addr)

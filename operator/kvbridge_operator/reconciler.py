@@ -1,0 +1,185 @@
+"""Runs plans: one long-lived loop per KVTransfer, woken by endpoint and transfer events.
+
+State machine per KVTransfer (one asyncio task, the kopf daemon):
+
+    plan + write  ->  wait (woken by ``wake()`` or the resync interval)  ->  debounce  -> ...
+
+``wake()`` is called from kopf event handlers on the same event loop; it only sets an
+``asyncio.Event``. The loop reads the endpoints from kopf's in-memory index (fed by the same
+watch stream), so a burst of changes is coalesced into one plan. Writes are merge patches
+sent only when the computed status differs from what is stored (or was last written and not
+yet seen back), so a restarted operator, which recomputes the same plan, writes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import metrics, planner, status
+from .config import Settings
+from .errors import SpecError
+from .kube import Kube
+from .spec import Endpoint, parse_transfer
+
+log = logging.getLogger("kvbridge.operator")
+
+#: (namespace, transfer) -> event; set by ``wake``.
+_EVENTS: dict[tuple[str, str], asyncio.Event] = {}
+
+Emit = Callable[[str, str, str], None]  # (type, reason, message) -> posts a k8s Event
+
+
+def wake(namespace: str | None, transfer: str | None) -> None:
+    """Ask the loop of KVTransfer ``namespace/transfer`` to re-plan soon (no-op if none)."""
+    event = _EVENTS.get((namespace or "", transfer or ""))
+    if event is not None:
+        event.set()
+
+
+@dataclass
+class _Memory:
+    """What this loop wrote last, to skip rewrites before the watch echoes them back."""
+
+    transfer: dict[str, Any] | None = None
+    endpoints: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+
+
+async def run(
+    *,
+    namespace: str,
+    name: str,
+    body: Mapping[str, Any],
+    endpoints: Callable[[], Iterable[Endpoint]],
+    nodes: Callable[[], Mapping[str, Mapping[str, str]]],
+    kube: Kube,
+    settings: Settings,
+    emit: Emit,
+    stopped: Any,
+) -> None:
+    """The per-KVTransfer loop; returns when ``stopped`` (kopf's daemon flag) is set."""
+    key = (namespace, name)
+    event = _EVENTS[key] = asyncio.Event()
+    memory = _Memory()
+    try:
+        while not stopped:
+            event.clear()
+            try:
+                await reconcile(
+                    namespace, name, body, list(endpoints()), nodes(), kube, emit, memory, settings
+                )
+            except Exception:
+                metrics.RECONCILES.labels("error").inc()
+                log.exception("planning KVTransfer %s/%s failed; retrying", namespace, name)
+                await asyncio.sleep(1.0)
+                continue
+            deadline = time.monotonic() + settings.resync
+            while not stopped and not event.is_set() and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), timeout=1.0)
+            if event.is_set():
+                await asyncio.sleep(settings.debounce)
+    finally:
+        if _EVENTS.get(key) is event:
+            del _EVENTS[key]
+
+
+async def reconcile(
+    namespace: str,
+    name: str,
+    body: Mapping[str, Any],
+    endpoints: list[Endpoint],
+    nodes: Mapping[str, Mapping[str, str]],
+    kube: Kube,
+    emit: Emit,
+    memory: _Memory,
+    settings: Settings,
+) -> planner.Plan | None:
+    """Plan once and write what changed. Returns the plan (None for an invalid spec)."""
+    started = time.perf_counter()
+    generation = int((body.get("metadata") or {}).get("generation") or 0)
+    stored = dict(body.get("status") or {})
+    old = memory.transfer if memory.transfer is not None else stored
+    now = status.now_rfc3339()
+    try:
+        transfer = parse_transfer(body)
+    except SpecError as exc:
+        new = status.invalid_transfer_status(old, generation=generation, now=now, message=str(exc))
+        await _write_transfer(kube, namespace, name, stored, old, new, memory, emit)
+        metrics.RECONCILES.labels("invalid").inc()
+        return None
+    plan = planner.plan(transfer, endpoints, nodes)
+    new = status.transfer_status(plan, old, generation=generation, now=now)
+    by_name = {e.name: e for e in endpoints}
+    semaphore = asyncio.Semaphore(settings.write_concurrency)
+
+    async def write_endpoint(verdict: planner.EndpointPlan) -> None:
+        e = by_name[verdict.name]
+        desired = status.endpoint_status(verdict, e)
+        if desired in (status.owned_part(e.status), memory.endpoints.get((e.name, e.uid))):
+            return
+        async with semaphore:
+            if await kube.patch_endpoint_status(namespace, e.name, desired):
+                metrics.STATUS_WRITES.labels("KVEndpoint").inc()
+                memory.endpoints[(e.name, e.uid)] = desired
+
+    await asyncio.gather(*(write_endpoint(v) for v in plan.endpoints))
+    live = {(e.name, e.uid) for e in endpoints}
+    for gone in set(memory.endpoints) - live:
+        del memory.endpoints[gone]
+    await _write_transfer(kube, namespace, name, stored, old, new, memory, emit)
+    metrics.record(namespace, name, plan)
+    metrics.RECONCILES.labels("ok").inc()
+    metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
+    return plan
+
+
+async def _write_transfer(
+    kube: Kube,
+    namespace: str,
+    name: str,
+    stored: dict[str, Any],
+    old: dict[str, Any],
+    new: dict[str, Any],
+    memory: _Memory,
+    emit: Emit,
+) -> None:
+    if new in (stored, memory.transfer):
+        return
+    if await kube.patch_transfer_status(namespace, name, _with_removals(stored, new)):
+        metrics.STATUS_WRITES.labels("KVTransfer").inc()
+        memory.transfer = new
+        for c in status.transitions(old.get("conditions"), new.get("conditions") or []):
+            good = (c["status"] == "True") != (c["type"] == "Degraded")
+            emit(
+                "Normal" if good else "Warning",
+                c["reason"],
+                f"{c['type']}={c['status']}: {c['message']}",
+            )
+
+
+def _with_removals(stored: Mapping[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """Merge patch that also deletes keys present before but absent now (e.g. after InvalidSpec)."""
+    patch = dict(new)
+    for k in stored:
+        if k not in new:
+            patch[k] = None
+    return patch
+
+
+async def release(namespace: str, name: str, endpoints: Iterable[Endpoint], kube: Kube) -> int:
+    """Withdraw the peers of every endpoint of a KVTransfer being deleted; returns writes."""
+    writes = 0
+    for e in endpoints:
+        desired = status.released_endpoint_status(e, name)
+        if status.owned_part(e.status) != desired and await kube.patch_endpoint_status(
+            namespace, e.name, desired
+        ):
+            writes += 1
+    metrics.forget(namespace, name)
+    return writes

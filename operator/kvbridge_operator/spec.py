@@ -1,0 +1,356 @@
+"""Raw KVTransfer / KVEndpoint dicts -> frozen dataclasses, with field-path errors.
+
+Pure: no kopf, no Kubernetes client. The CRD schema already enforces types and bounds, so a
+:class:`~kvbridge_operator.errors.SpecError` here means an object slipped past admission (for
+example created while the webhook was down); its message names the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from kvbridge_agent.protocol import EngineGeometry
+
+from .config import DECODE, PREFILL, ROLES
+from .errors import SpecError
+
+_MISSING = object()
+
+
+def _get(
+    d: Mapping[str, Any],
+    key: str,
+    path: str,
+    kind: type | tuple[type, ...],
+    default: Any = _MISSING,
+) -> Any:
+    value = d.get(key, _MISSING) if isinstance(d, Mapping) else _MISSING
+    where = f"{path}.{key}" if path else key
+    if value is _MISSING or value is None:
+        if default is _MISSING:
+            raise SpecError(where, "a value (the field is required)", None)
+        return default
+    if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise SpecError(where, f"a {names}", value)
+    return value
+
+
+def _enum(
+    d: Mapping[str, Any], key: str, path: str, allowed: tuple[str, ...], default: Any = _MISSING
+) -> str:
+    value = _get(d, key, path, str, default)
+    if value not in allowed:
+        raise SpecError(f"{path}.{key}", f"one of {', '.join(allowed)}", value)
+    return value
+
+
+# -- KVEndpoint --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str
+    num_blocks: int
+    group_id: int
+    mem_type: str
+    block_len: int
+    block_stride: int
+
+
+@dataclass(frozen=True)
+class Geometry:
+    block_size: int
+    physical_blocks_per_logical: int
+    num_blocks: int
+    kv_cache_layout: str
+    attention_backend: str
+    is_mla: bool
+    num_kv_heads: int | None
+    dcp_size: int
+    pcp_size: int
+    regions: tuple[Region, ...]
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """One agent-reported handshake result (``status.handshakes[i]``)."""
+
+    peer: str
+    epoch: int
+    succeeded: bool
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A parsed KVEndpoint. ``status`` (operator-owned part, as last seen) is not compared."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    labels: tuple[tuple[str, str], ...]
+    deleting: bool
+    role: str
+    transfer: str
+    engine_id: str
+    pod_name: str
+    node_name: str
+    host: str
+    port: int
+    tp_rank: int
+    tp_size: int
+    dp_index: int
+    protocol_version: int
+    compatibility_hash: str | None
+    mode: str
+    epoch: int
+    geometry: Geometry
+    handshakes: tuple[Handshake, ...] = ()
+    status: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def label_map(self) -> dict[str, str]:
+        return dict(self.labels)
+
+    @property
+    def previous_peer_engines(self) -> tuple[str, ...]:
+        """Engine ids of the peers the operator assigned last time (for sticky pairing)."""
+        peers = self.status.get("peers") or ()
+        return tuple(sorted({p.get("engineId", "") for p in peers if isinstance(p, Mapping)}))
+
+    @cached_property
+    def validation_geometry(self) -> EngineGeometry:
+        """The agent's :class:`EngineGeometry` for this rank, keyed for memoisation.
+
+        Engine id and rank are left neutral (they play no part in the rules the planner runs),
+        so equal geometries compare and hash equal across engines.
+        """
+        g = self.geometry
+        return EngineGeometry(
+            engine_id="",
+            tp_size=self.tp_size,
+            block_size=g.block_size,
+            num_blocks=g.num_blocks,
+            block_lens=tuple(r.block_len for r in g.regions),
+            block_strides=tuple(r.block_stride for r in g.regions),
+            kv_cache_layout=g.kv_cache_layout,
+            attn_backend_name=g.attention_backend,
+            physical_blocks_per_logical_kv_block=g.physical_blocks_per_logical,
+            region_num_blocks=tuple(r.num_blocks for r in g.regions),
+            region_group_ids=tuple(r.group_id for r in g.regions),
+            region_names=tuple(r.name for r in g.regions),
+            region_mem_types=tuple(r.mem_type for r in g.regions),
+            dcp_size=g.dcp_size,
+            pcp_size=g.pcp_size,
+            is_mla=g.is_mla,
+            num_kv_heads=g.num_kv_heads,
+            protocol_version=self.protocol_version,
+            compatibility_hash=self.compatibility_hash,
+            transfer_mode=self.mode,
+        )
+
+
+def parse_geometry(raw: Mapping[str, Any], path: str = "spec.geometry") -> Geometry:
+    regions_raw = _get(raw, "regions", path, list)
+    if not regions_raw:
+        raise SpecError(f"{path}.regions", "at least one region", regions_raw)
+    regions = []
+    for i, r in enumerate(regions_raw):
+        rp = f"{path}.regions[{i}]"
+        if not isinstance(r, Mapping):
+            raise SpecError(rp, "an object", r)
+        regions.append(
+            Region(
+                name=_get(r, "name", rp, str),
+                num_blocks=_get(r, "numBlocks", rp, int),
+                group_id=_get(r, "groupId", rp, int),
+                mem_type=_enum(r, "memType", rp, ("DRAM", "VRAM")),
+                block_len=_get(r, "blockLen", rp, int),
+                block_stride=_get(r, "blockStride", rp, int),
+            )
+        )
+    return Geometry(
+        block_size=_get(raw, "blockSize", path, int),
+        physical_blocks_per_logical=_get(raw, "physicalBlocksPerLogical", path, int, 1),
+        num_blocks=_get(raw, "numBlocks", path, int),
+        kv_cache_layout=_get(raw, "kvCacheLayout", path, str),
+        attention_backend=_get(raw, "attentionBackend", path, str, ""),
+        is_mla=_get(raw, "isMla", path, bool, False),
+        num_kv_heads=_get(raw, "numKvHeads", path, int, None),
+        dcp_size=_get(raw, "dcpSize", path, int, 1),
+        pcp_size=_get(raw, "pcpSize", path, int, 1),
+        regions=tuple(regions),
+    )
+
+
+def parse_endpoint(body: Mapping[str, Any]) -> Endpoint:
+    """Parse a KVEndpoint object (dict or kopf body). Raises :class:`SpecError`."""
+    meta = body.get("metadata") or {}
+    spec = _get(body, "spec", "", Mapping)
+    status = body.get("status") or {}
+    side = _get(spec, "sideChannel", "spec", Mapping)
+    handshakes = []
+    for i, h in enumerate(status.get("handshakes") or ()):
+        hp = f"status.handshakes[{i}]"
+        if not isinstance(h, Mapping):
+            raise SpecError(hp, "an object", h)
+        state = _enum(h, "state", hp, ("Succeeded", "Failed"))
+        handshakes.append(
+            Handshake(
+                peer=_get(h, "peer", hp, str),
+                epoch=_get(h, "epoch", hp, int),
+                succeeded=state == "Succeeded",
+                message=_get(h, "message", hp, str, ""),
+            )
+        )
+    own = {k: v for k, v in status.items() if k != "handshakes"}
+    return Endpoint(
+        name=meta.get("name", ""),
+        namespace=meta.get("namespace", ""),
+        uid=meta.get("uid", ""),
+        generation=int(meta.get("generation") or 0),
+        labels=tuple(sorted((meta.get("labels") or {}).items())),
+        deleting=bool(meta.get("deletionTimestamp")),
+        role=_enum(spec, "role", "spec", ROLES),
+        transfer=_get(spec, "transferName", "spec", str),
+        engine_id=_get(spec, "engineId", "spec", str),
+        pod_name=_get(spec, "podName", "spec", str),
+        node_name=_get(spec, "nodeName", "spec", str, ""),
+        host=_get(side, "host", "spec.sideChannel", str),
+        port=_get(side, "port", "spec.sideChannel", int),
+        tp_rank=_get(spec, "tpRank", "spec", int),
+        tp_size=_get(spec, "tpSize", "spec", int),
+        dp_index=_get(spec, "dpIndex", "spec", int, 0),
+        protocol_version=_get(spec, "protocolVersion", "spec", int),
+        compatibility_hash=_get(spec, "compatibilityHash", "spec", str, None),
+        mode=_enum(spec, "mode", "spec", ("pull", "push")),
+        epoch=_get(spec, "epoch", "spec", int),
+        geometry=parse_geometry(_get(spec, "geometry", "spec", Mapping)),
+        handshakes=tuple(handshakes),
+        status=own,
+    )
+
+
+# -- KVTransfer --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Requirement:
+    key: str
+    operator: str
+    values: tuple[str, ...] = ()
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        present = self.key in labels
+        if self.operator == "Exists":
+            return present
+        if self.operator == "DoesNotExist":
+            return not present
+        if self.operator == "In":
+            return present and labels[self.key] in self.values
+        return not present or labels[self.key] not in self.values  # NotIn
+
+
+@dataclass(frozen=True)
+class Selector:
+    requirements: tuple[Requirement, ...]
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        return all(r.matches(labels) for r in self.requirements)
+
+
+@dataclass(frozen=True)
+class ExpectedGeometry:
+    block_size: int | None = None
+    kv_cache_layout: str | None = None
+    attention_backend: str | None = None
+    num_regions: int | None = None
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    tp_size: int
+    selector: Selector | None = None
+    expected: ExpectedGeometry | None = None
+
+
+@dataclass(frozen=True)
+class Transfer:
+    name: str
+    namespace: str
+    generation: int
+    protocol_version: int
+    mode: str
+    side_channel_port: int
+    prefill: RoleSpec
+    decode: RoleSpec
+    policy: str = "Balanced"
+    topology_key: str = ""
+    prefill_per_decode: int = 1
+    enforce_hash: bool = True
+
+    def role(self, role: str) -> RoleSpec:
+        return self.prefill if role == PREFILL else self.decode
+
+
+def parse_selector(raw: Any, path: str) -> Selector | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise SpecError(path, "a label selector object", raw)
+    reqs = [Requirement(k, "In", (v,)) for k, v in sorted((raw.get("matchLabels") or {}).items())]
+    for i, e in enumerate(raw.get("matchExpressions") or ()):
+        ep = f"{path}.matchExpressions[{i}]"
+        op = _enum(e, "operator", ep, ("In", "NotIn", "Exists", "DoesNotExist"))
+        values = tuple(_get(e, "values", ep, list, []))
+        if op in ("In", "NotIn") and not values:
+            raise SpecError(f"{ep}.values", f"at least one value for operator {op}", [])
+        if op in ("Exists", "DoesNotExist") and values:
+            raise SpecError(f"{ep}.values", f"no values for operator {op}", list(values))
+        reqs.append(Requirement(_get(e, "key", ep, str), op, values))
+    return Selector(tuple(reqs))
+
+
+def parse_role(raw: Mapping[str, Any], path: str) -> RoleSpec:
+    exp = raw.get("expectedGeometry")
+    expected = None
+    if exp is not None:
+        ep = f"{path}.expectedGeometry"
+        expected = ExpectedGeometry(
+            block_size=_get(exp, "blockSize", ep, int, None),
+            kv_cache_layout=_get(exp, "kvCacheLayout", ep, str, None),
+            attention_backend=_get(exp, "attentionBackend", ep, str, None),
+            num_regions=_get(exp, "numRegions", ep, int, None),
+        )
+    return RoleSpec(
+        tp_size=_get(raw, "tensorParallelSize", path, int),
+        selector=parse_selector(raw.get("selector"), f"{path}.selector"),
+        expected=expected,
+    )
+
+
+def parse_transfer(body: Mapping[str, Any]) -> Transfer:
+    """Parse a KVTransfer object (dict or kopf body). Raises :class:`SpecError`."""
+    meta = body.get("metadata") or {}
+    spec = _get(body, "spec", "", Mapping)
+    pairing = spec.get("pairing") or {}
+    compat = spec.get("compatibility") or {}
+    return Transfer(
+        name=meta.get("name", ""),
+        namespace=meta.get("namespace", ""),
+        generation=int(meta.get("generation") or 0),
+        protocol_version=_get(spec, "protocolVersion", "spec", int),
+        mode=_enum(spec, "mode", "spec", ("pull", "push"), "pull"),
+        side_channel_port=_get(spec, "sideChannelPort", "spec", int, 5600),
+        prefill=parse_role(_get(spec, PREFILL, "spec", Mapping), f"spec.{PREFILL}"),
+        decode=parse_role(_get(spec, DECODE, "spec", Mapping), f"spec.{DECODE}"),
+        policy=_enum(pairing, "policy", "spec.pairing", ("Balanced", "TopologyAware"), "Balanced"),
+        topology_key=_get(pairing, "topologyKey", "spec.pairing", str, ""),
+        prefill_per_decode=_get(pairing, "prefillPerDecode", "spec.pairing", int, 1),
+        enforce_hash=_get(compat, "enforceHash", "spec.compatibility", bool, True),
+    )

@@ -1,0 +1,151 @@
+"""Plan -> status documents, with Kubernetes condition conventions. Pure (the clock is passed in).
+
+- ``lastTransitionTime`` changes only when a condition's status changes;
+- ``observedGeneration`` is the generation the plan was computed for;
+- only operator-owned KVEndpoint status fields are produced (``status.handshakes`` belongs to
+  the agent and is never written here), so a merge patch cannot clobber the agent's writes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from .planner import DesiredCondition, EndpointPlan, Plan
+from .spec import Endpoint
+
+#: KVEndpoint status keys the operator owns.
+ENDPOINT_KEYS = ("observedGeneration", "observedEpoch", "state", "reason", "message", "peers")
+MAX_PAIRS_LISTED = 1000
+MAX_PROBLEMS_LISTED = 100
+
+
+def now_rfc3339() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def merge_conditions(
+    old: Sequence[Mapping[str, Any]] | None,
+    desired: Iterable[DesiredCondition],
+    *,
+    now: str,
+    generation: int,
+) -> list[dict[str, Any]]:
+    """New condition list; keeps ``lastTransitionTime`` when the status did not change."""
+    previous = {c.get("type"): c for c in old or () if isinstance(c, Mapping)}
+    result = []
+    for d in desired:
+        prev = previous.get(d.type)
+        same = prev is not None and prev.get("status") == d.status
+        result.append(
+            {
+                "type": d.type,
+                "status": d.status,
+                "reason": d.reason,
+                "message": d.message,
+                "lastTransitionTime": prev.get("lastTransitionTime", now) if same else now,
+                "observedGeneration": generation,
+            }
+        )
+    return result
+
+
+def transitions(
+    old: Sequence[Mapping[str, Any]] | None, new: Sequence[Mapping[str, Any]]
+) -> list[Mapping[str, Any]]:
+    """Conditions whose status differs from before (new conditions count, Unknown does not)."""
+    previous = {c.get("type"): c.get("status") for c in old or () if isinstance(c, Mapping)}
+    return [
+        c
+        for c in new
+        if previous.get(c["type"]) != c["status"]
+        and not (c["status"] == "Unknown" and c["type"] not in previous)
+    ]
+
+
+def transfer_status(
+    plan: Plan, old: Mapping[str, Any] | None, *, generation: int, now: str
+) -> dict[str, Any]:
+    """The whole KVTransfer ``status`` for ``plan``."""
+    old = old or {}
+    return {
+        "observedGeneration": generation,
+        "summary": plan.summary,
+        "prefill": asdict(plan.prefill),
+        "decode": asdict(plan.decode),
+        "pairs": {
+            "total": len(plan.pairs),
+            "verified": plan.verified_pairs,
+            "items": [
+                {
+                    "decodeEngine": p.decode_engine,
+                    "prefillEngine": p.prefill_engine,
+                    "state": str(p.state),
+                }
+                for p in plan.pairs[:MAX_PAIRS_LISTED]
+            ],
+        },
+        "incompatible": [
+            {
+                "endpoint": p.endpoint,
+                "role": p.role,
+                "rule": p.rule,
+                "field": p.field,
+                "message": p.message,
+            }
+            for p in plan.problems[:MAX_PROBLEMS_LISTED]
+        ],
+        "conditions": merge_conditions(
+            old.get("conditions"), plan.conditions, now=now, generation=generation
+        ),
+    }
+
+
+def invalid_transfer_status(
+    old: Mapping[str, Any] | None, *, generation: int, now: str, message: str
+) -> dict[str, Any]:
+    """Status for a KVTransfer whose spec cannot be parsed (admission was bypassed)."""
+    old = old or {}
+    desired = [
+        DesiredCondition("Ready", "False", "InvalidSpec", message),
+        DesiredCondition("Degraded", "True", "InvalidSpec", message),
+    ]
+    return {
+        "observedGeneration": generation,
+        "summary": f"InvalidSpec: {message}"[:1000],
+        "conditions": merge_conditions(
+            old.get("conditions"), desired, now=now, generation=generation
+        ),
+    }
+
+
+def endpoint_status(verdict: EndpointPlan, endpoint: Endpoint) -> dict[str, Any]:
+    """Operator-owned KVEndpoint status for one verdict."""
+    return {
+        "observedGeneration": endpoint.generation,
+        "observedEpoch": endpoint.epoch,
+        "state": str(verdict.state),
+        "reason": verdict.reason,
+        "message": verdict.message[:4000],
+        "peers": [p.to_dict() for p in verdict.peers],
+    }
+
+
+def released_endpoint_status(endpoint: Endpoint, transfer: str) -> dict[str, Any]:
+    """Status for endpoints of a KVTransfer being deleted: no peers any more."""
+    return {
+        "observedGeneration": endpoint.generation,
+        "observedEpoch": endpoint.epoch,
+        "state": "Excluded",
+        "reason": "TransferDeleted",
+        "message": f"KVTransfer {transfer} is being deleted; peers withdrawn",
+        "peers": [],
+    }
+
+
+def owned_part(status: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The operator-owned keys of a KVEndpoint status (for comparison)."""
+    status = status or {}
+    return {k: status[k] for k in ENDPOINT_KEYS if k in status}

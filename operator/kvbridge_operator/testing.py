@@ -1,0 +1,151 @@
+"""Manifest builders for tests, benchmarks and demos (pure dicts, no API calls).
+
+``transfer_manifest`` and ``endpoint_manifest`` produce valid KVTransfer / KVEndpoint objects
+with a small MLA-like geometry by default; keyword arguments override any field, and
+``regions`` / ``geometry`` overrides let a test build an incompatible peer.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+from .config import GROUP, VERSION
+
+API_VERSION = f"{GROUP}/{VERSION}"
+DEFAULT_HASH = hashlib.sha256(b"kvbridge-test-model").hexdigest()
+
+
+def regions(
+    n: int = 4,
+    *,
+    block_len: int = 4096,
+    num_blocks: int = 1000,
+    mem_type: str = "VRAM",
+    group_id: int = 0,
+) -> list[dict[str, Any]]:
+    """``n`` uniform regions named like vLLM layers."""
+    return [
+        {
+            "name": f"model.layers.{i}.self_attn.attn",
+            "numBlocks": num_blocks,
+            "groupId": group_id,
+            "memType": mem_type,
+            "blockLen": block_len,
+            "blockStride": block_len,
+        }
+        for i in range(n)
+    ]
+
+
+def transfer_manifest(
+    name: str = "kvt",
+    namespace: str | None = None,
+    *,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
+    mode: str = "pull",
+    **spec: Any,
+) -> dict[str, Any]:
+    """A KVTransfer; extra keyword arguments are merged into ``spec``."""
+    body: dict[str, Any] = {
+        "apiVersion": API_VERSION,
+        "kind": "KVTransfer",
+        "metadata": {"name": name},
+        "spec": {
+            "protocolVersion": 11,
+            "mode": mode,
+            "prefill": {"tensorParallelSize": prefill_tp},
+            "decode": {"tensorParallelSize": decode_tp},
+        },
+    }
+    if namespace:
+        body["metadata"]["namespace"] = namespace
+    body["spec"].update(spec)
+    return body
+
+
+def endpoint_manifest(
+    name: str,
+    *,
+    role: str,
+    engine_id: str,
+    transfer: str = "kvt",
+    namespace: str | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    epoch: int = 1,
+    mode: str = "pull",
+    host: str = "10.0.0.1",
+    port: int = 5600,
+    pod: Mapping[str, str] | None = None,
+    node_name: str = "",
+    geometry: Mapping[str, Any] | None = None,
+    labels: Mapping[str, str] | None = None,
+    **spec: Any,
+) -> dict[str, Any]:
+    """A KVEndpoint. ``pod`` (``{"name", "uid"}``) adds the ownerReference to that Pod."""
+    geo = {
+        "blockSize": 16,
+        "physicalBlocksPerLogical": 1,
+        "numBlocks": 1000,
+        "kvCacheLayout": "HND",
+        "attentionBackend": "FLASHMLA",
+        "isMla": True,
+        "regions": regions(),
+    }
+    geo.update(copy.deepcopy(dict(geometry or {})))
+    body: dict[str, Any] = {
+        "apiVersion": API_VERSION,
+        "kind": "KVEndpoint",
+        "metadata": {"name": name, "labels": dict(labels or {})},
+        "spec": {
+            "transferName": transfer,
+            "role": role,
+            "engineId": engine_id,
+            "podName": (pod or {}).get("name", name),
+            "sideChannel": {"host": host, "port": port},
+            "tpRank": tp_rank,
+            "tpSize": tp_size,
+            "dpIndex": 0,
+            "protocolVersion": 11,
+            "compatibilityHash": DEFAULT_HASH,
+            "mode": mode,
+            "epoch": epoch,
+            "geometry": geo,
+        },
+    }
+    if node_name:
+        body["spec"]["nodeName"] = node_name
+    if namespace:
+        body["metadata"]["namespace"] = namespace
+    if pod:
+        body["spec"]["podUID"] = pod["uid"]
+        body["metadata"]["ownerReferences"] = [
+            {"apiVersion": "v1", "kind": "Pod", "name": pod["name"], "uid": pod["uid"]}
+        ]
+    body["spec"].update(spec)
+    return body
+
+
+def engine_manifests(engine_id: str, role: str, tp_size: int = 1, **kw: Any) -> list[dict]:
+    """One KVEndpoint per TP rank of an engine, named ``<engine_id>-<rank>``."""
+    return [
+        endpoint_manifest(
+            f"{engine_id}-{r}", role=role, engine_id=engine_id, tp_rank=r, tp_size=tp_size, **kw
+        )
+        for r in range(tp_size)
+    ]
+
+
+def handshake(peer: str, epoch: int, ok: bool = True, message: str = "") -> dict[str, Any]:
+    """One ``status.handshakes`` entry as the agent writes it."""
+    return {
+        "peer": peer,
+        "epoch": epoch,
+        "state": "Succeeded" if ok else "Failed",
+        "message": message,
+        "time": "2025-01-01T00:00:00Z",
+    }
