@@ -224,8 +224,8 @@ class SideChannelServer:
                 f"(pp_rank, tp_rank) = {rank} is not served here; served: {list(self.ranks)}",
             )
             return
+        self._count("ok")  # before sending: a peer that got its reply sees it counted
         self._send(sock, envelope, payload)
-        self._count("ok")
 
     def _reject(self, sock: zmq.Socket, envelope: list[bytes], kind: str, detail: str) -> None:
         self._count(kind)
