@@ -10,6 +10,7 @@ import pytest
 
 from kvbridge_agent.geometry import (
     BlockIdRangeError,
+    DescIdLayout,
     GeometryError,
     GroupLayoutError,
     align_prefix_by_region,
@@ -181,3 +182,32 @@ def test_layout_argument_errors() -> None:
         compute_desc_ids(np.array([1, 2]), [4], [0])
     with pytest.raises(GroupLayoutError, match="no regions"):
         compute_desc_ids([[0]], [], [])
+
+
+def test_many_groups_range_check_is_exact() -> None:
+    # > 4 non-empty groups: validated for all groups at once; the boundary id is caught.
+    caps, ident = [5, 6, 7, 8, 9, 10], list(range(6))
+    ok = [[c - 1] for c in caps]
+    assert compute_desc_ids(ok, caps, ident).tolist() == [4, 10, 17, 25, 34, 44]
+    bad = [*ok[:5], [10]]
+    with pytest.raises(BlockIdRangeError, match=r"block id 10 of group 5 .*region 5: capacity 10"):
+        compute_desc_ids(bad, caps, ident)
+    with pytest.raises(BlockIdRangeError, match=r"block id -1 of group 2 .*region 2"):
+        compute_desc_ids([[0], [0], [-1], [0], [0], [0]], caps, ident)
+    # with a shared region every group also targets region 6 (capacity 3)
+    shared = [*caps, 3]
+    with pytest.raises(BlockIdRangeError, match=r"block id 3 of group 4 .*region 6: capacity 3"):
+        compute_desc_ids([[0], [1], [2], [0], [3], [0]], shared, [*ident, -1])
+    with pytest.raises(GroupLayoutError, match="group 6 has 1 block id"):
+        compute_desc_ids([[0]] * 7, caps, ident)
+
+
+def test_layout_is_reusable_and_read_only() -> None:
+    layout = DescIdLayout([10, 6, 10], [0, 0, 0])
+    assert layout.desc_ids([[2, 5]]).tolist() == [2, 5, 12, 15, 18, 21]
+    assert layout.desc_ids([[0]]).tolist() == [0, 10, 16]
+    assert layout.offsets.tolist() == [0, 10, 16] and not layout.uses_group_mapping
+    with pytest.raises(ValueError):
+        layout.offsets[0] = 1
+    with pytest.raises(AttributeError):
+        layout.uses_group_mapping = True  # type: ignore[misc]

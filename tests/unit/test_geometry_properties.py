@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvbridge_agent.geometry import (
     BlockIdRangeError,
     CacheView,
+    DescIdLayout,
     GroupLayoutError,
     align_prefix_by_group,
     align_prefix_by_region,
@@ -93,8 +94,8 @@ def ref_partition(local_ids, remote_ids, local_types, remote_types):
 
 @st.composite
 def desc_id_cases(draw):
-    r = draw(st.integers(1, 8))
-    g = draw(st.integers(1, 4))
+    r = draw(st.integers(1, 10))
+    g = draw(st.integers(1, 7))  # > 4 live groups takes the all-groups-at-once path
     caps = draw(st.lists(st.integers(0, 25), min_size=r, max_size=r))
     gids = draw(st.lists(st.integers(-1, g - 1), min_size=r, max_size=r))
     k = draw(st.sampled_from([None, 1, 2, 4]))
@@ -123,6 +124,10 @@ def test_desc_ids_match_reference(case) -> None:
     got = compute_desc_ids(block_ids, caps, gids, uses_group_mapping=uses, block_size_ratio=k)
     assert got.dtype == np.int64
     assert got.tolist() == ref_desc_ids(block_ids, caps, gids, uses, k)
+    # a layout built once serves many requests, identical to the one-shot call
+    layout = DescIdLayout(caps, gids, uses_group_mapping=uses, block_size_ratio=k)
+    for ids in (block_ids, [e[::-1] for e in block_ids], block_ids):
+        assert layout.desc_ids(ids).tolist() == ref_desc_ids(ids, caps, gids, uses, k)
 
 
 @SETTINGS

@@ -13,7 +13,7 @@ from ._alignment import (
     expand_logical_to_kernel,
     map_to_sub_blocks,
 )
-from ._desc_ids import compute_desc_ids
+from ._desc_ids import DescIdLayout, compute_desc_ids
 from ._descriptors import capacity_offsets, local_descriptor_table, remote_descriptor_table
 from ._errors import (
     BlockIdRangeError,
@@ -50,6 +50,7 @@ __all__ = [
     "BlockIdRangeError",
     "CacheView",
     "CacheViewError",
+    "DescIdLayout",
     "GeometryError",
     "GroupLayoutError",
     "MemTypeIndex",
