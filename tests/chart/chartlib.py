@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,9 +85,16 @@ def render(
     kube_version: str | None = None,
     include_crds: bool = False,
     namespace: str = NAMESPACE,
+    api_versions: Sequence[str] = ("kopf.dev/v1",),
 ) -> list[dict[str, Any]]:
-    """`helm template` the chart and return the objects (empty documents dropped)."""
+    """`helm template` the chart and return the objects (empty documents dropped).
+
+    ``api_versions`` are the extra APIs the pretend cluster serves: by default the kopf.dev
+    API of the chart's own CRDs, as in a real `helm install`.
+    """
     args = ["template", RELEASE, str(CHART), "--namespace", namespace]
+    for api in api_versions:
+        args += ["--api-versions", api]
     if values:
         args += ["-f", str(values_file(values))]
     for s in sets:
@@ -134,3 +142,76 @@ def iter_containers(objs: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         spec = o["spec"]["template"]["spec"]
         yield from spec.get("initContainers", [])
         yield from spec["containers"]
+
+
+@dataclass
+class Kube:
+    """helm and kubectl against the local cluster, as the admin unless told otherwise."""
+
+    cluster: Any  # kvbridge_cluster.LocalCluster
+    helm_home: Path
+
+    def env(self, kubeconfig: Path | None = None) -> dict[str, str]:
+        return {
+            **os.environ,
+            "KUBECONFIG": str(kubeconfig or self.cluster.kubeconfig),
+            "HELM_CACHE_HOME": str(self.helm_home / "cache"),
+            "HELM_CONFIG_HOME": str(self.helm_home / "config"),
+            "HELM_DATA_HOME": str(self.helm_home / "data"),
+        }
+
+    def helm(self, *args: str, check: bool = True, timeout: float = 120) -> str:
+        proc = subprocess.run([str(self.cluster.binaries.helm), *args], capture_output=True,
+                              text=True, env=self.env(), timeout=timeout, check=False)
+        if check and proc.returncode != 0:
+            raise HelmError(f"helm {' '.join(args)} failed ({proc.returncode}):\n"
+                            f"{proc.stdout}{proc.stderr}")
+        return proc.stdout + proc.stderr
+
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
+                kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
+        proc = self.cluster.kubectl(*args, check=False, input=input, kubeconfig=kubeconfig)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}):\n"
+                                 f"{proc.stdout}{proc.stderr}")
+        return proc
+
+    def get(self, *args: str, kubeconfig: Path | None = None) -> dict[str, Any]:
+        return yaml.safe_load(self.kubectl("get", *args, "-o", "yaml",
+                                           kubeconfig=kubeconfig).stdout)
+
+    def exists(self, *args: str) -> bool:
+        return self.kubectl("get", *args, check=False).returncode == 0
+
+    def snapshot(self) -> set[tuple[str, str, str]]:
+        """(kind, namespace, name) of every listable object except events and leases."""
+        names = self.kubectl("api-resources", "--verbs=list", "-o", "name").stdout.split()
+        kinds = [n for n in names if n.split(".")[0] not in {"events", "leases"}]
+        out = self.kubectl("get", ",".join(kinds), "-A", "--no-headers", "-o",
+                           "custom-columns=K:.kind,NS:.metadata.namespace,N:.metadata.name")
+        return {tuple(line.split()) for line in out.stdout.splitlines() if line.strip()}
+
+    def create_namespace(self, name: str) -> None:
+        if not self.exists("namespace", name):
+            self.kubectl("create", "namespace", name)
+        # The namespace's default ServiceAccount (and on 1.20 its token Secret) appear
+        # asynchronously; wait so that snapshots taken later do not count them as new.
+        wait_for(lambda: self.kubectl("get", "secrets", "-n", name, "-o", "name").stdout
+                 .count("default-token-") == 1, f"default token in {name}", timeout=30)
+
+    def token_kubeconfig(self, namespace: str, service_account: str) -> Path:
+        token = self.cluster.service_account_token(namespace, service_account)
+        return self.cluster.kubeconfig_for_token(token, f"{namespace}-{service_account}")
+
+
+def wait_for(pred: Callable[[], Any], what: str, timeout: float = 30.0,
+             interval: float = 0.2) -> Any:
+    """Poll ``pred`` until it returns something truthy; fail naming ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")

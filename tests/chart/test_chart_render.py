@@ -368,6 +368,14 @@ def test_operator_command_line(rendered: dict) -> None:
     assert "--standalone" in _command(rendered["minimal"])
 
 
+def test_peering_object_waits_for_the_kopf_api() -> None:
+    """Helm installs crds/ before rendering, so a real install has the kopf.dev API; a dry run
+    against a cluster without the CRDs does not, and must still render and apply."""
+    assert one(render(), "ClusterKopfPeering")["metadata"]["name"] == "kvbridge"
+    assert not by_kind(render(api_versions=()), "ClusterKopfPeering")
+    assert not by_kind(render(sets=["operator.peering.enabled=false"]), "ClusterKopfPeering")
+
+
 def test_image_reference() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     image = one(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
