@@ -25,7 +25,8 @@ from ._errors import (
     RequestDecodeError,
     TimestampDecodeError,
 )
-from ._validate import Incompatibility, Mode, Rule, ValidationOptions, Verdict, validate_remote
+from ._validate import validate_remote
+from ._verdict import Incompatibility, Mode, Rule, ValidationOptions, Verdict
 from ._wire import (
     GET_META_MSG,
     NIXL_CONNECTOR_VERSION,
