@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import os
 import socket
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import zmq
@@ -34,9 +31,9 @@ from kvbridge_agent.sidechannel import (
     fetch_metadata,
     side_channel_address,
 )
+from spec_vectors import load_vectors
 
-SPEC_DIR = Path(os.environ.get("KVBRIDGE_SPEC_DIR", "/work/shared/spec"))
-VECTORS = json.loads((SPEC_DIR / "vectors" / "v11-handshake.json").read_text())
+VECTORS = load_vectors("v11-handshake.json")
 PAYLOAD = bytes.fromhex(VECTORS["examples"][0]["payload_msgpack_hex"])
 HASH = VECTORS["examples"][0]["payload_compatibility_hash"]
 LOOPBACK = "127.0.0.1"

@@ -3,13 +3,10 @@ payloads against the decoders and the client. Seeded, so a failure reproduces.""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import random
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -31,9 +28,9 @@ from kvbridge_agent.sidechannel import (
     SideChannelServer,
     fetch_metadata,
 )
+from spec_vectors import load_vectors
 
-SPEC_DIR = Path(os.environ.get("KVBRIDGE_SPEC_DIR", "/work/shared/spec"))
-VECTORS = json.loads((SPEC_DIR / "vectors" / "v11-handshake.json").read_text())
+VECTORS = load_vectors("v11-handshake.json")
 PAYLOAD = bytes.fromhex(VECTORS["examples"][0]["payload_msgpack_hex"])
 SERVED = {(0, 0), (0, 1)}
 LOOPBACK = "127.0.0.1"

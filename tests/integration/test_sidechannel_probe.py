@@ -4,7 +4,6 @@ side-channel server on 127.0.0.1."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -14,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from kvbridge_agent.sidechannel import SideChannelServer
+from spec_vectors import load_vectors
 
-SPEC_DIR = Path(os.environ.get("KVBRIDGE_SPEC_DIR", "/work/shared/spec"))
-VECTORS = json.loads((SPEC_DIR / "vectors" / "v11-handshake.json").read_text())
+VECTORS = load_vectors("v11-handshake.json")
 EXAMPLE = VECTORS["examples"][0]
 PAYLOAD = bytes.fromhex(EXAMPLE["payload_msgpack_hex"])
 HASH = EXAMPLE["payload_compatibility_hash"]

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import pytest
 
 from kvbridge_agent.protocol import (
@@ -15,9 +11,9 @@ from kvbridge_agent.protocol import (
     check_compatibility,
     compatibility_hash,
 )
+from spec_vectors import load_vectors
 
-SPEC_DIR = Path(os.environ.get("KVBRIDGE_SPEC_DIR", "/work/shared/spec"))
-HASHES = json.loads((SPEC_DIR / "vectors" / "v11-handshake.json").read_text())["compatibility_hash"]
+HASHES = load_vectors("v11-handshake.json")["compatibility_hash"]
 FACTOR_KEYS = {
     "vllm_version",
     "nixl_connector_version",

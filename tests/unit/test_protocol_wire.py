@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -34,9 +31,9 @@ from kvbridge_agent.protocol import (
     encode_timestamp,
     make_payload,
 )
+from spec_vectors import load_vectors
 
-SPEC_DIR = Path(os.environ.get("KVBRIDGE_SPEC_DIR", "/work/shared/spec"))
-VECTORS = json.loads((SPEC_DIR / "vectors" / "v11-handshake.json").read_text())
+VECTORS = load_vectors("v11-handshake.json")
 EXAMPLES = VECTORS["examples"]
 
 # Spec §1.3, typed by hand (not derived from the code under test).
