@@ -12,7 +12,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH_SPEC ?= torch==2.13.0
 NIXL_SPEC ?= nixl-cu12==1.5.1
 
-.PHONY: venv test lint bench clean
+.PHONY: venv test lint bench clean test-stack
 
 venv: $(VENV)/.installed
 
@@ -28,7 +28,12 @@ $(VENV)/.installed: pyproject.toml
 lint: venv
 	$(BIN)/ruff check agent operator tests bench
 
-test: venv lint
+# A real kube-apiserver, kube-controller-manager and etcd for the operator, chart and e2e
+# tests; the first build takes ~7-10 minutes and is cached under /var/cache/kvbridge.
+test-stack: venv
+	PYTHON=$(PY) bash hack/test-stack.sh ensure
+
+test: venv lint test-stack
 	$(PY) -m pytest
 
 bench: venv
