@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -18,20 +15,12 @@ from kvbridge_agent.geometry import (
     compute_desc_ids,
     map_to_sub_blocks,
 )
-
-VECTORS_DIR = Path(__file__).parents[2].parent / "shared" / "spec" / "vectors"
+from spec_vectors import load_vectors
 
 
 def _load_vectors() -> list[dict]:
-    path = VECTORS_DIR / "desc-ids.json"
-    if not path.is_file():
-        pytest.fail(
-            f"spec vectors not found at {path}: the shared spec checkout must sit next to "
-            "the repository (../shared/spec/vectors)",
-            pytrace=False,
-        )
-    vectors = json.loads(path.read_text())["vectors"]
-    assert vectors, f"{path} holds no vectors"
+    vectors = load_vectors("desc-ids.json")["vectors"]
+    assert vectors, "desc-ids.json holds no vectors"
     return vectors
 
 
@@ -211,3 +200,18 @@ def test_layout_is_reusable_and_read_only() -> None:
         layout.offsets[0] = 1
     with pytest.raises(AttributeError):
         layout.uses_group_mapping = True  # type: ignore[misc]
+
+
+def test_implausible_group_id_is_rejected() -> None:
+    with pytest.raises(GroupLayoutError, match=r"region_group_ids\[1\] is 65536"):
+        compute_desc_ids([[0]], [4, 4], [0, 1 << 16])
+
+
+def test_many_groups_with_shared_regions() -> None:
+    # > 4 groups, each with its own region plus the shared one: two targets per group.
+    caps, gids = [4, 4, 4, 4, 4, 8], [0, 1, 2, 3, 4, -1]
+    got = compute_desc_ids([[g % 4] for g in range(5)], caps, gids)
+    assert got.tolist() == [x for g in range(5) for x in (4 * g + g % 4, 20 + g % 4)]
+    # groups that own no region reach only the shared region (here region 1)
+    got = compute_desc_ids([[g, 7] for g in range(6)], [4, 8], [7, -1])
+    assert got.tolist() == [4 + x for g in range(6) for x in (g, 7)]

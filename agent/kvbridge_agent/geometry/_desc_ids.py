@@ -19,6 +19,8 @@ __all__ = ["DescIdLayout", "compute_desc_ids"]
 
 # Above this many non-empty groups, validation is done for all groups in one pass.
 _VECTOR_GROUPS = 4
+# Group ids index kv_cache_config.transfer_groups; anything this large is corrupt metadata.
+_MAX_GROUPS = 1 << 16
 
 
 def _capacities(region_num_blocks, region_group_ids, k: int | None):
@@ -48,6 +50,12 @@ def _capacities(region_num_blocks, region_group_ids, k: int | None):
         raise GroupLayoutError(
             f"region_group_ids[{r}] must be a group index or -1 (shared), got {int(gids[r])}"
         )
+    if gids.size and gids.max() >= _MAX_GROUPS:
+        r = int(np.argmax(gids))
+        raise GroupLayoutError(
+            f"region_group_ids[{r}] is {int(gids[r])}: group ids index the transfer groups "
+            f"and must be below {_MAX_GROUPS}"
+        )
     if k is not None:
         if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
             raise GeometryError(f"block_size_ratio must be None or an int >= 1, got {k!r}")
@@ -66,17 +74,18 @@ class DescIdLayout:
     ``capacities`` are the effective per-region capacities (× ``block_size_ratio`` k when
     given), ``offsets`` their exclusive prefix sum (region r starts at ``offsets[r]``).
     ``uses_group_mapping`` defaults to "more than one distinct group id" (spec §3.2–§3.4).
-    Build it with the same arguments as :func:`compute_desc_ids`; it is immutable.
+    Build it with the same arguments as :func:`compute_desc_ids`; it is immutable and may
+    be shared between threads.
     """
 
     __slots__ = (
-        "_max_gid",
+        "_group_min",
         "_min_cap",
-        "_shared",
-        "_shared_min",
+        "_n_groups",
+        "_n_targets",
+        "_shared_mask",
         "_single",
         "_targets",
-        "_targets_min",
         "block_size_ratio",
         "capacities",
         "group_ids",
@@ -105,19 +114,32 @@ class DescIdLayout:
         _set(self, "block_size_ratio", block_size_ratio)
         _set(self, "region_names", tuple(region_names) if region_names is not None else None)
         _set(self, "_min_cap", int(caps.min()) if caps.size else 0)
+
+        # Per group g in 0..G-1, plus one trailing slot for any group id above the largest
+        # (those reach only the shared regions): number of target regions, their smallest
+        # capacity, and the target region when there is exactly one (else -1).
+        n_groups = int(gids.max()) + 1 if gids.size else 0
         shared = gids == -1
-        _set(self, "_shared", _readonly(np.flatnonzero(shared)))
-        _set(self, "_shared_min", int(caps[shared].min()) if shared.any() else 0)
-        _set(self, "_max_gid", int(gids.max()) if gids.size else -1)
-        targets, mins, single = [], [], []
-        for g in range(self._max_gid + 1):
-            t = _readonly(np.flatnonzero((gids == g) | shared))
-            targets.append(t)
-            mins.append(int(caps[t].min()) if t.size else 0)
-            single.append(int(t[0]) if t.size == 1 else -1)
-        _set(self, "_targets", tuple(targets))
-        _set(self, "_targets_min", tuple(mins))
-        _set(self, "_single", tuple(single))
+        own = ~shared
+        big = np.iinfo(np.int64).max
+        counts = np.bincount(gids[own], minlength=n_groups)
+        own_min = np.full(n_groups, big, dtype=np.int64)
+        np.minimum.at(own_min, gids[own], caps[own])
+        own_idx = np.full(n_groups, -1, dtype=np.int64)
+        own_idx[gids[own]] = np.flatnonzero(own)  # exact where counts == 1
+        n_shared = int(shared.sum())
+        shared_min = int(caps[shared].min()) if n_shared else big
+        shared_idx = int(np.flatnonzero(shared)[0]) if n_shared == 1 else -1
+        n_targets = np.append(counts + n_shared, n_shared)
+        single = np.full(n_groups + 1, -1, dtype=np.int64)
+        single[:-1] = np.where((counts == 1) & (n_shared == 0), own_idx, -1)
+        single[np.append(counts == 0, True) & (n_shared == 1)] = shared_idx
+        _set(self, "_n_groups", n_groups)
+        _set(self, "_shared_mask", _readonly(shared))
+        _set(self, "_n_targets", _readonly(n_targets))
+        _set(self, "_group_min", _readonly(np.minimum(np.append(own_min, big), shared_min)))
+        _set(self, "_single", _readonly(single))
+        _set(self, "_targets", {})  # group -> target regions, filled on first use
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"DescIdLayout is immutable; cannot set {name!r}")
@@ -129,12 +151,14 @@ class DescIdLayout:
             f"block_size_ratio={self.block_size_ratio})"
         )
 
-    def _group(self, g: int) -> tuple[np.ndarray, int, int]:
-        """(target regions, their smallest capacity, the region if exactly one else -1)."""
-        if g <= self._max_gid:
-            return self._targets[g], self._targets_min[g], self._single[g]
-        t = self._shared
-        return t, self._shared_min, int(t[0]) if t.size == 1 else -1
+    def targets(self, group: int) -> np.ndarray:
+        """Regions that group ``group``'s ids go to on the group-mapped path, ascending."""
+        slot = min(group, self._n_groups)
+        t = self._targets.get(slot)
+        if t is None:
+            t = _readonly(np.flatnonzero((self.group_ids == slot) | self._shared_mask))
+            self._targets[slot] = t
+        return t
 
     def _range_error(self, ids: np.ndarray, targets: np.ndarray, group: int | None):
         caps = self.capacities[targets]
@@ -174,48 +198,45 @@ class DescIdLayout:
         return self._group_mapped(entries)
 
     def _group_mapped(self, entries: list[np.ndarray]) -> np.ndarray:
-        live = [g for g, e in enumerate(entries) if e.size]
-        if not live:
+        lens = np.fromiter((e.size for e in entries), np.int64, len(entries))
+        live = np.flatnonzero(lens)
+        if live.size == 0:
             return empty_ids()
-        groups = [self._group(g) for g in live]
-        for g, (targets, _, _) in zip(live, groups, strict=True):
-            if targets.size == 0:
-                raise GroupLayoutError(
-                    f"group {g} has {entries[g].size} block id(s) but no region belongs "
-                    f"to it (region group ids: {self.group_ids.tolist()})"
-                )
-        if len(live) <= _VECTOR_GROUPS:
-            for g, (targets, min_cap, _) in zip(live, groups, strict=True):
+        slots = np.minimum(live, self._n_groups)
+        orphan = np.flatnonzero(self._n_targets[slots] == 0)
+        if orphan.size:
+            g = int(live[orphan[0]])
+            raise GroupLayoutError(
+                f"group {g} has {entries[g].size} block id(s) but no region belongs "
+                f"to it (region group ids: {self.group_ids.tolist()})"
+            )
+        live_list = live.tolist()
+        if live.size <= _VECTOR_GROUPS:
+            for g, min_cap in zip(live_list, self._group_min[slots].tolist(), strict=True):
                 ids = entries[g]
                 if int(ids.min()) < 0 or int(ids.max()) >= min_cap:
-                    raise self._range_error(ids, targets, g)
-            flat = None
+                    raise self._range_error(ids, self.targets(g), g)
         else:
-            flat = np.concatenate([entries[g] for g in live])
-            lens = np.fromiter((entries[g].size for g in live), np.int64, len(live))
-            starts = capacity_offsets(lens)
-            min_caps = np.fromiter((m for _, m, _ in groups), np.int64, len(live))
+            flat = np.concatenate([entries[g] for g in live_list])
+            live_lens = lens[live]
+            starts = capacity_offsets(live_lens)
             bad = (np.minimum.reduceat(flat, starts) < 0) | (
-                np.maximum.reduceat(flat, starts) >= min_caps
+                np.maximum.reduceat(flat, starts) >= self._group_min[slots]
             )
             if bad.any():
-                i = int(np.argmax(bad))
-                raise self._range_error(entries[live[i]], groups[i][0], live[i])
-            if all(s >= 0 for _, _, s in groups):
+                g = live_list[int(np.argmax(bad))]
+                raise self._range_error(entries[g], self.targets(g), g)
+            singles = self._single[slots]
+            if (singles >= 0).all():
                 # one region per group (the region-mapped call): ids keep their order
-                singles = np.fromiter((s for _, _, s in groups), np.int64, len(live))
-                return flat + np.repeat(self.offsets[singles], lens)
-        total = sum(t.size * entries[g].size for g, (t, _, _) in zip(live, groups, strict=True))
-        out = np.empty(total, dtype=np.int64)
+                return flat + np.repeat(self.offsets[singles], live_lens)
+        out = np.empty(int((lens[live] * self._n_targets[slots]).sum()), dtype=np.int64)
         pos = 0
-        for g, (targets, _, _) in zip(live, groups, strict=True):
+        for g in live_list:
             ids = entries[g]
-            n = targets.size * ids.size
-            np.add(
-                self.offsets[targets][:, None],
-                ids[None, :],
-                out=out[pos : pos + n].reshape(targets.size, ids.size),
-            )
+            offs = self.offsets[self.targets(g)]
+            n = offs.size * ids.size
+            np.add(offs[:, None], ids[None, :], out=out[pos : pos + n].reshape(offs.size, -1))
             pos += n
         return out
 
