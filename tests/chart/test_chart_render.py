@@ -230,27 +230,24 @@ def test_rbac_has_no_wildcards(name: str, rendered: dict) -> None:
             assert not any(r.endswith("/*") for r in rule.get("resources", [])), rule
 
 
-# What the operator uses (keep in step with the operator's RBAC manifest, see
-# test_operator_rules_match_the_operator_manifest). Per watched namespace:
-OPERATOR_NAMESPACED = {
-    *(Rule("kvbridge.io", r, v) for r in ("kvtransfers", "kvendpoints")
-      for v in ("get", "list", "watch", "patch")),
-    *(Rule("kvbridge.io", f"{r}/status", v) for r in ("kvtransfers", "kvendpoints")
-      for v in ("get", "patch")),
-    *(Rule("", "pods", v) for v in ("get", "list", "watch")),
-    Rule("", "events", "create"),
-}
-KOPF_CRD_SCAN = {Rule("apiextensions.k8s.io", "customresourcedefinitions", v)
-                 for v in ("list", "watch")}
-CLUSTER_PEERING = {Rule("kopf.dev", "clusterkopfpeerings", v)
-                   for v in ("get", "list", "watch", "patch")}
-NS_PEERING = {Rule("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")}
-NAMESPACES_WATCH = {Rule("", "namespaces", v) for v in ("list", "watch")}
+# The operator's own RBAC manifest: the one list of what the operator uses.
+OPERATOR_MANIFEST = REPO / "hack" / "operator-rbac.yaml"
+CLUSTER_SCOPED = {"nodes", "clusterkopfpeerings"}
 AGENT = {
     *(Rule("kvbridge.io", "kvendpoints", v) for v in ("create", "get", "update", "patch")),
     *(Rule("kvbridge.io", "kvendpoints/status", v) for v in ("get", "update", "patch")),
     *(Rule("kvbridge.io", "kvtransfers", v) for v in ("get", "list", "watch")),
 }
+
+
+def _manifest_rules() -> set[Rule]:
+    docs = [d for d in yaml.safe_load_all(OPERATOR_MANIFEST.read_text()) if d]
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    return expand_rules(role["rules"])
+
+
+def _peering(resource: str) -> set[Rule]:
+    return {Rule("kopf.dev", resource, v) for v in ("get", "list", "watch", "patch")}
 
 
 def _operator_roles(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -259,27 +256,37 @@ def _operator_roles(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def test_operator_rbac_cluster_scope() -> None:
+    """Cluster scope grants the operator's manifest, less the namespaced KopfPeering that
+    kopf only uses in namespaced mode."""
+    manifest = _manifest_rules()
     objs = render("defaults")
     (role,) = _operator_roles(objs)
     assert role["kind"] == "ClusterRole"
-    assert expand_rules(role["rules"]) == (OPERATOR_NAMESPACED | KOPF_CRD_SCAN
-                                           | CLUSTER_PEERING)
+    assert expand_rules(role["rules"]) == manifest - _peering("kopfpeerings")
     binding = one(objs, "ClusterRoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvbridge",
                                     "namespace": NAMESPACE}]
+    # Without peering (or before the kopf.dev API exists) no peering rules either.
+    (role,) = _operator_roles(render(sets=["operator.peering.enabled=false"]))
+    assert expand_rules(role["rules"]) == manifest - _peering("kopfpeerings") - _peering(
+        "clusterkopfpeerings")
 
 
 def test_operator_rbac_namespaced_scope(rendered: dict) -> None:
+    """Namespaced scope: the manifest's namespaced rules in a Role per watched namespace, only
+    the cluster-scoped reads in a ClusterRole."""
+    manifest = _manifest_rules() - _peering("clusterkopfpeerings")
     objs = rendered["namespaced"]
     roles = _operator_roles(objs)
     ns_roles = {r["metadata"]["namespace"]: r for r in roles if r["kind"] == "Role"}
     assert sorted(ns_roles) == ["team-a", "team-b"]
     for role in ns_roles.values():
-        assert expand_rules(role["rules"]) == OPERATOR_NAMESPACED | NS_PEERING
+        assert expand_rules(role["rules"]) == {r for r in manifest
+                                               if r.resource not in CLUSTER_SCOPED}
     (cluster_role,) = [r for r in roles if r["kind"] == "ClusterRole"]
-    # Cluster-level: only what kopf reads to discover resources and namespaces.
-    assert expand_rules(cluster_role["rules"]) == KOPF_CRD_SCAN | NAMESPACES_WATCH
+    assert expand_rules(cluster_role["rules"]) == {r for r in manifest
+                                                   if r.resource in CLUSTER_SCOPED}
     bindings = [b for b in by_kind(objs, "RoleBinding") if b["roleRef"]["name"] == "kvbridge"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     for b in bindings:
@@ -353,9 +360,10 @@ def _command(objs: list[dict[str, Any]]) -> list[str]:
 def test_operator_command_line(rendered: dict) -> None:
     cmd = _command(rendered["defaults"])
     assert cmd[:3] == ["kopf", "run", "--module=kvbridge_operator.main"]
-    assert "--all-namespaces" in cmd and "--peering=kvbridge" in cmd
+    assert "--all-namespaces" in cmd and "--priority=0" in cmd
     assert "--liveness=http://0.0.0.0:8080/healthz" in cmd
-    assert not {"--debug", "--quiet", "--standalone"} & set(cmd)
+    assert not {"--debug", "--quiet"} & set(cmd)
+    assert _env(rendered["defaults"])["KVBRIDGE_PEERING"] == "kvbridge"
 
     cmd = _command(rendered["namespaced"])
     assert [a for a in cmd if a.startswith("--namespace=")] == [
@@ -363,9 +371,38 @@ def test_operator_command_line(rendered: dict) -> None:
     assert "--quiet" in cmd and "--all-namespaces" not in cmd
 
     cmd = _command(rendered["cluster-wide"])
-    assert {"--debug", "--log-format=json", "--peering=kvbridge-prod", "--priority=10",
-            "--log-refkey=kvbridge"} <= set(cmd)
-    assert "--standalone" in _command(rendered["minimal"])
+    assert {"--debug", "--log-format=json", "--priority=10", "--log-refkey=kvbridge"} <= set(cmd)
+    assert _env(rendered["cluster-wide"])["KVBRIDGE_PEERING"] == "kvbridge-prod"
+    # No peering object, no peering: the operator runs standalone.
+    assert _env(rendered["minimal"])["KVBRIDGE_PEERING"] == ""
+    assert _env(render(api_versions=()))["KVBRIDGE_PEERING"] == ""
+
+
+def _env(objs: list[dict[str, Any]]) -> dict[str, str]:
+    c = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value", "") for e in c["env"]}
+
+
+def test_operator_settings_match_the_operator() -> None:
+    """Every KVBRIDGE_* variable the chart sets is one the operator reads."""
+    config = (REPO / "operator" / "kvbridge_operator" / "config.py").read_text()
+    env = _env(render())
+    assert env["KVBRIDGE_METRICS_PORT"] == "9090" and env["KVBRIDGE_WEBHOOK_PORT"] == "9443"
+    assert env["KVBRIDGE_WEBHOOK_CERT"] == "/etc/kvbridge/webhook-tls/tls.crt"
+    for name in env:
+        if name.startswith("KVBRIDGE_"):
+            assert f'"{name}"' in config, f"{name} is not read by kvbridge_operator.config"
+    assert _env(render("minimal"))["KVBRIDGE_WEBHOOK_PORT"] == "0"
+    assert _env(render("minimal"))["KVBRIDGE_METRICS_PORT"] == "0"
+
+
+def test_webhook_paths_are_the_operator_handler_ids() -> None:
+    from kvbridge_operator.webhook import WEBHOOKS
+
+    vwc = one(render(), "ValidatingWebhookConfiguration")
+    paths = {w["rules"][0]["resources"][0]: w["clientConfig"]["service"]["path"]
+             for w in vwc["webhooks"]}
+    assert paths == {plural: f"/{hook_id}" for hook_id, plural in WEBHOOKS.items()}
 
 
 def test_peering_object_waits_for_the_kopf_api() -> None:

@@ -176,42 +176,48 @@ namespaceSelector:
 
 {{/*
 Rules the operator needs inside every namespace it watches (the whole cluster in cluster
-scope). Kept in step with the operator's RBAC manifest; tests/chart compares the two.
+scope): the same rules as hack/operator-rbac.yaml, the operator's own list (tests/chart
+compares the two). KVEndpoints are only read: the agents own their spec.
 */}}
 {{- define "kvbridge.operatorRules" -}}
 - apiGroups: ["kvbridge.io"]
-  resources: ["kvtransfers", "kvendpoints"]
+  resources: ["kvtransfers"]
   verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["kvbridge.io"]
+  resources: ["kvendpoints"]
+  verbs: ["get", "list", "watch"]
 - apiGroups: ["kvbridge.io"]
   resources: ["kvtransfers/status", "kvendpoints/status"]
   verbs: ["get", "patch"]
 - apiGroups: [""]
-  resources: ["pods"]
-  verbs: ["get", "list", "watch"]
-- apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
-{{- if and .Values.operator.peering.enabled (eq .Values.operator.scope "namespaced") }}
+{{- if and (include "kvbridge.peeringRendered" .) (eq .Values.operator.scope "namespaced") }}
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]
 {{- end }}
 {{- end }}
 
-{{/* Cluster-level rules: kopf's discovery of CRDs (and namespaces when namespaced), peering. */}}
+{{/* Rules on cluster-scoped objects: node labels (TopologyAware pairing) and the cluster peering. */}}
 {{- define "kvbridge.operatorClusterRules" -}}
-- apiGroups: ["apiextensions.k8s.io"]
-  resources: ["customresourcedefinitions"]
-  verbs: ["list", "watch"]
-{{- if eq .Values.operator.scope "namespaced" }}
 - apiGroups: [""]
-  resources: ["namespaces"]
-  verbs: ["list", "watch"]
-{{- else if .Values.operator.peering.enabled }}
+  resources: ["nodes"]
+  verbs: ["get", "list", "watch"]
+{{- if and (include "kvbridge.peeringRendered" .) (eq .Values.operator.scope "cluster") }}
 - apiGroups: ["kopf.dev"]
   resources: ["clusterkopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]
 {{- end }}
+{{- end }}
+
+{{/*
+"true" when the chart creates the kopf peering object(s): peering enabled and the kopf.dev API
+known (Helm installs crds/ before rendering). The operator is only told to use peering
+(KVBRIDGE_PEERING, which makes it mandatory) when the object exists.
+*/}}
+{{- define "kvbridge.peeringRendered" -}}
+{{- if and .Values.operator.peering.enabled (.Capabilities.APIVersions.Has "kopf.dev/v1") }}true{{ end }}
 {{- end }}
 
 {{/* The serving pods' rules: their own KVEndpoint and its handshake status; KVTransfers read-only. */}}
