@@ -252,3 +252,62 @@ def test_untouched_buffers_keep_the_sentinel(peer):
             assert (buf[: 3 * 256] == SENTINEL).all(), name
     finally:
         pair.close()
+
+
+def test_torch_cpu_tensors_are_accepted_as_views(peer):
+    torch = pytest.importorskip("torch")
+    from kvbridge_agent.geometry import CacheView
+    from kvbridge_agent.nixl import (
+        CPU_TEST_MEM_TYPES,
+        AgentConfig,
+        EngineFacts,
+        LocalEngine,
+        NixlAgent,
+    )
+
+    regions = _regions(3, blocks=8, block_len=64)
+    tensors = {r.name: torch.full((8, 64), SENTINEL, dtype=torch.uint8) for r in regions}
+    # bf16 views of the same storage: block_len comes from shape and element size.
+    views = [CacheView.from_tensor(n, t.view(torch.bfloat16), group_id=0)
+             for n, t in tensors.items()]
+    assert {v.mem_type for v in views} == {"DRAM"} and views[0].block_len == 64
+
+    p2 = _spec("p", regions, seed=14)
+    p2_desc = peer.call("create", p2)
+    agent = NixlAgent("torch-d2", AgentConfig(mem_types=CPU_TEST_MEM_TYPES))
+    try:
+        local = LocalEngine(agent, views, EngineFacts("torch-d2"))
+        engine = PullEngine(local, timeout_s=10)
+        engine.add_remote(p2_desc)
+        peer.call("add_peer", p2.engine_id, local.describe())
+        engine.start(PullRequest("torch-1", p2.engine_id, [[0, 5]], [[7, 2]]))
+        assert isinstance(engine.wait("torch-1"), TransferDone)
+        mirror = Memory(p2)
+        mirror.fill_pattern(p2.seed)
+        for name, t in tensors.items():
+            got = t.numpy()
+            src = mirror.buffer(name).reshape(8, 64)
+            np.testing.assert_array_equal(got[0], src[7])
+            np.testing.assert_array_equal(got[5], src[2])
+            assert (np.delete(got, [0, 5], axis=0) == SENTINEL).all()
+        engine.close()
+    finally:
+        agent.close()
+        peer.call("close", p2.engine_id)
+
+
+def test_vram_registration_of_host_memory_is_a_typed_error():
+    from kvbridge_agent.nixl import (
+        PRODUCTION_MEM_TYPES,
+        AgentConfig,
+        EngineFacts,
+        LocalEngine,
+        NixlAgent,
+        NixlCallError,
+    )
+
+    mem = Memory(_spec("v", _regions(1, blocks=4)))
+    with NixlAgent("vram-on-cpu", AgentConfig(mem_types=PRODUCTION_MEM_TYPES)) as agent:
+        with pytest.raises(NixlCallError, match=r"register_memory\(1 VRAM ranges as VRAM\)") as e:
+            LocalEngine(agent, mem.views(), EngineFacts("v"))
+        assert e.value.cause is FailureCause.SETUP

@@ -65,6 +65,9 @@ class _Request:
 
 Result = TransferDone | TransferFailure
 
+#: Polls :meth:`Transfers.wait` makes back to back before it starts sleeping between polls.
+SPIN_POLLS = 2000
+
 
 class Transfers:
     """The in-flight requests of one engine, over one :class:`NixlAgent`."""
@@ -203,6 +206,7 @@ class Transfers:
         TimeoutError if it cannot be reported because a handle refuses to be released."""
         req = self._reqs[request_id]
         req.deadline = min(req.deadline, deadline)
+        polls = 0
         while True:
             now = self._clock()
             res = self._step(req, now)
@@ -214,7 +218,11 @@ class Transfers:
                     f"request {request_id!r} failed but {len(req.held)} handle(s) cannot be "
                     "released yet; poll() again later"
                 )
-            time.sleep(0.0001 if now < req.deadline else 0.001)
+            polls += 1
+            # Spin first: a poll costs microseconds, while a sleep on a loaded machine can
+            # oversleep by milliseconds. Then back off so a stuck peer does not burn a core.
+            if polls > SPIN_POLLS:
+                time.sleep(0.0002 if polls < SPIN_POLLS + 50 else 0.001)
 
     def close(self) -> None:
         for req in list(self._reqs.values()):

@@ -129,6 +129,7 @@ class PullEngine:
         self.peers = RemotePeers(self.agent)
         self.heartbeats = HeartbeatSender(self.agent.send_notif, lease_s=lease_s, clock=clock)
         self._notif_ids: dict[str, str] = {}
+        self._read_geo: dict[tuple[int, geo.TPMapping], tuple[np.ndarray, np.ndarray]] = {}
         self._transfers = Transfers(self.agent, clock=clock, on_terminal=self._terminal)
 
     # -- peers ---------------------------------------------------------------------------
@@ -226,20 +227,28 @@ class PullEngine:
         for peer in notify_only:
             self._transfers.defer_notif(tracked, peer.agent_name, message)
 
+    def _read_geometry(self, k: int, mapping: geo.TPMapping) -> tuple[np.ndarray, np.ndarray]:
+        """Per-region read lengths and rank offsets for ratio ``k`` under ``mapping``."""
+        key = (k, mapping)
+        got = self._read_geo.get(key)
+        if got is None:
+            lens = self.local.plan.block_lens
+            is_mla = self.local.plan.is_mla
+            got = (np.array([mapping.read_len(int(lens[i]), is_mla[i], k)
+                             for i in range(len(lens))], dtype=np.int64),
+                   np.array([mapping.rank_offset(int(lens[i]), is_mla[i], k)
+                             for i in range(len(lens))], dtype=np.int64))
+            self._read_geo[key] = got
+        return got
+
     def _remote_lists(self, peer: RemotePeer, k: int, mapping: geo.TPMapping) -> dict:
-        plan = self.local.plan
-        lens = plan.block_lens
-        is_mla = plan.is_mla
-        read_lens = np.array([mapping.read_len(int(lens[i]), is_mla[i], k)
-                              for i in range(len(lens))], dtype=np.int64)
-        offsets = np.array([mapping.rank_offset(int(lens[i]), is_mla[i], k)
-                            for i in range(len(lens))], dtype=np.int64)
+        read_lens, offsets = self._read_geometry(k, mapping)
         desc = peer.desc
-        if desc.num_regions != len(lens):
+        if desc.num_regions != read_lens.size:
             raise UnsupportedTransferError(
                 f"remote {desc.engine_id!r} has {desc.num_regions} regions, local has "
-                f"{len(lens)}; P and D must have the same region count")
-        key = ("read", tuple(read_lens.tolist()), tuple(offsets.tolist()))
+                f"{read_lens.size}; P and D must have the same region count")
+        key = ("read", k, mapping)
         return self.peers.lists(peer, key, lambda: geo.remote_descriptor_table(
             desc.base_addrs, desc.block_strides, desc.region_num_blocks, read_lens,
             desc.device_id, offsets))

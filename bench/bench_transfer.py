@@ -1,0 +1,269 @@
+"""Cross-process NIXL pull throughput: the agent's PullEngine against raw NIXL and memcpy.
+
+A spawned producer process owns the source memory and one NIXL agent; this process is the
+consumer. For each case the three contenders move the same bytes, interleaved rep by rep,
+and the median of the reps is reported:
+
+- agent: ``PullEngine.start`` + ``wait`` (id planning, mem-type split, post, poll,
+  completion notification) — with coalescing off and on where it matters;
+- raw NIXL: one ``make_prepped_xfer`` over the very same prepared lists and descriptor ids,
+  ``transfer``, poll, release (no planning, no notification);
+- memcpy: numpy copy of the same bytes between two buffers of this process.
+
+Cases: one large region; a DeepSeek-like request (61 regions of 73,728-byte blocks, 128
+blocks per region, half of them read) with scattered and with contiguous blocks; the same
+as a mixed-memory request (consumer regions alternate DRAM/VRAM, CPU map) against the
+unsplit request. Buffers are pre-faulted. Output: JSON lines (bench/_common.py); higher
+``ratio`` is better for every line.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
+
+from _common import emit
+
+REPS = int(os.environ.get("KVB_BENCH_REPS", "25"))
+GAP = 1 << 16   # bytes between regions, so no two regions are adjacent in memory
+
+
+class Pool:
+    """``n`` regions of ``blocks`` x ``block_len`` bytes carved out of one buffer."""
+
+    def __init__(self, n: int, blocks: int, block_len: int, fill: int) -> None:
+        self.n, self.blocks, self.block_len = n, blocks, block_len
+        self.region_bytes = blocks * block_len
+        self.buf = np.full(n * (self.region_bytes + GAP), fill, dtype=np.uint8)  # pre-faulted
+
+    def region(self, r: int) -> np.ndarray:
+        start = r * (self.region_bytes + GAP)
+        return self.buf[start:start + self.region_bytes]
+
+    def views(self, mem_types: list[str]):
+        from kvbridge_agent.geometry import CacheView
+
+        return [CacheView.from_range(
+            f"model.layers.{r}.self_attn.attn", self.region(r).ctypes.data, self.region_bytes,
+            group_id=0, num_blocks=self.blocks, mem_type=mem_types[r % len(mem_types)],
+            block_len=self.block_len) for r in range(self.n)]
+
+
+def _producer(conn, shapes) -> None:
+    from kvbridge_agent.nixl import (
+        CPU_TEST_MEM_TYPES,
+        AgentConfig,
+        EngineFacts,
+        LocalEngine,
+        NixlAgent,
+    )
+
+    keep = []
+    descs = {}
+    for key, (n, blocks, block_len) in shapes.items():
+        pool = Pool(n, blocks, block_len, fill=7)
+        pool.buf[::4096] = np.arange(pool.buf[::4096].size, dtype=np.uint64).astype(np.uint8)
+        agent = NixlAgent(f"bench-p-{key}", AgentConfig(mem_types=CPU_TEST_MEM_TYPES))
+        local = LocalEngine(agent, pool.views(["VRAM"]), EngineFacts(f"bench-p-{key}"))
+        keep.append((pool, agent, local))
+        descs[key] = local.describe()
+    conn.send(descs)
+    while True:
+        msg = conn.recv()
+        if msg[0] == "add":
+            for _, agent, _ in keep:
+                for meta in msg[1]:
+                    agent.add_remote(meta)
+            conn.send("ok")
+        elif msg[0] == "drain":
+            for _, agent, _ in keep:
+                agent.get_notifs()
+            conn.send("ok")
+        else:
+            for _, agent, _ in keep:
+                agent.close()
+            conn.send("bye")
+            return
+
+
+class Consumer:
+    def __init__(self, key: str, pool: Pool, mem_types: list[str], coalesce: bool) -> None:
+        from kvbridge_agent.nixl import (
+            CPU_TEST_MEM_TYPES,
+            AgentConfig,
+            EngineFacts,
+            LocalEngine,
+            NixlAgent,
+            PullEngine,
+        )
+
+        self.pool = pool
+        self.agent = NixlAgent(f"bench-d-{key}", AgentConfig(mem_types=CPU_TEST_MEM_TYPES))
+        self.local = LocalEngine(self.agent, pool.views(mem_types), EngineFacts(f"bench-d-{key}"))
+        self.engine = PullEngine(self.local, timeout_s=60.0, coalesce=coalesce)
+        self._n = 0
+
+    def pull(self, engine_id: str, lids: list[int], rids: list[int], coalesce: bool = False
+             ) -> float:
+        from kvbridge_agent.nixl import PullRequest, TransferDone
+
+        self.engine.coalesce = coalesce
+        self._n += 1
+        rid = f"r{self._n}"
+        t = time.perf_counter()
+        self.engine.start(PullRequest(rid, engine_id, [lids], [rids]))
+        res = self.engine.wait(rid, 60.0)
+        dt = time.perf_counter() - t
+        assert isinstance(res, TransferDone), res
+        return dt
+
+    def raw(self, engine_id: str, lids: list[int], rids: list[int]) -> float:
+        """One raw prepared NIXL READ over the engine's own lists and the same ids."""
+        from kvbridge_agent.nixl import plan_read_ids
+
+        peer = self.engine.peers.any_rank(engine_id)
+        ids = plan_read_ids(self.local.plan, local_block_size=16, local_ppl=1,
+                            remote=peer.desc, local_block_ids=[lids], remote_block_ids=[rids])
+        llist = self.local.lists(1).by_kind["VRAM"]
+        rlist = next(iter(peer.lists.values()))["VRAM"]
+        nixl = self.agent._agent
+        lidx = ids.local_ids.astype(np.int32)
+        ridx = ids.remote_ids.astype(np.int32)
+        t = time.perf_counter()
+        h = nixl.make_prepped_xfer("READ", llist.handle, lidx, rlist.handle, ridx)
+        state = nixl.transfer(h)
+        deadline = time.monotonic() + 60
+        while state == "PROC" and time.monotonic() < deadline:
+            state = nixl.check_xfer_state(h)
+        h.release()
+        dt = time.perf_counter() - t
+        assert state == "DONE", state
+        return dt
+
+
+def memcpy_blocks(dst: Pool, src: Pool, lids: np.ndarray, rids: np.ndarray) -> float:
+    t = time.perf_counter()
+    contiguous = bool((np.diff(lids) == 1).all() and (np.diff(rids) == 1).all())
+    for r in range(dst.n):
+        d = dst.region(r).reshape(dst.blocks, dst.block_len)
+        s = src.region(r).reshape(src.blocks, src.block_len)
+        if contiguous:
+            d[lids[0]:lids[-1] + 1] = s[rids[0]:rids[-1] + 1]
+        else:
+            d[lids] = s[rids]
+    return time.perf_counter() - t
+
+
+def measure_case(name, shape, dims, eid, consumers, pools, lids, rids) -> None:
+    """Interleave the contenders rep by rep; emit median rates and side-by-side ratios."""
+    dst, src = pools
+    n, _, block_len = dims
+    nbytes = n * len(lids) * block_len
+    lo, ro = lids.tolist(), rids.tolist()
+    main = consumers[shape]
+    contenders = {"agent": functools.partial(main.pull, eid, lo, ro),
+                  "raw": functools.partial(main.raw, eid, lo, ro),
+                  "memcpy": functools.partial(memcpy_blocks, dst, src, lids, rids)}
+    if shape == "ds":
+        contenders["agent_coalesced"] = functools.partial(main.pull, eid, lo, ro, coalesce=True)
+        contenders["agent_mixed"] = functools.partial(consumers["ds-mixed"].pull, eid, lo, ro)
+    for fn in contenders.values():      # warm-up: connections, lists, caches
+        fn()
+    runs: dict[str, list[float]] = {k: [] for k in contenders}
+    order = list(contenders)
+    for rep in range(REPS):            # rotate the order so no contender always goes first
+        for key in order[rep % len(order):] + order[:rep % len(order)]:
+            runs[key].append(contenders[key]())
+    gbps = {k: _median_rate(v, nbytes) for k, v in runs.items()}
+
+    def ratio(a: str, b: str) -> float:
+        """Median over reps of the paired speed ratio a/b (the two ran back to back)."""
+        return statistics.median(tb / ta for ta, tb in zip(runs[a], runs[b], strict=True))
+
+    extra = {"bytes": nbytes, "descriptors": n * len(lids), "reps": REPS,
+             "higher_is_better": True, "ratio_is": "median of per-rep paired ratios"}
+    emit(f"transfer.{name}.agent_vs_raw_nixl", gbps["agent"], "GB/s",
+         "raw NIXL prepared transfer, same descriptors", ratio("agent", "raw"),
+         raw_gbps=round(gbps["raw"], 3), **extra)
+    emit(f"transfer.{name}.agent_vs_memcpy", gbps["agent"], "GB/s",
+         "numpy memcpy of the same bytes", ratio("agent", "memcpy"),
+         memcpy_gbps=round(gbps["memcpy"], 3), **extra)
+    if shape != "ds":
+        return
+    emit(f"transfer.{name}.coalesced_vs_memcpy", gbps["agent_coalesced"], "GB/s",
+         "numpy memcpy of the same bytes", ratio("agent_coalesced", "memcpy"), **extra)
+    emit(f"transfer.{name}.coalesced_vs_uncoalesced", gbps["agent_coalesced"], "GB/s",
+         "agent pull without coalescing", ratio("agent_coalesced", "agent"), **extra)
+    emit(f"transfer.{name}.mixed_split_vs_unsplit", gbps["agent_mixed"], "GB/s",
+         "the same request on a single-memory-type consumer (one transfer)",
+         ratio("agent_mixed", "agent"), parts=2, **extra)
+
+
+def _median_rate(times: list[float], nbytes: int) -> float:
+    return nbytes / statistics.median(times) / 1e9
+
+
+def main() -> None:
+    t_start = time.monotonic()
+    large = ("large", (1, 64, 4 << 20))                     # one 256 MiB region
+    ds = ("ds", (61, 128, 73_728))                           # DeepSeek-like, 576 MiB
+    shapes = dict([large, ds])
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_producer, args=(child, shapes), daemon=True)
+    proc.start()
+    if not conn.poll(120):
+        raise TimeoutError("producer did not start")
+    descs = conn.recv()
+
+    d_large = Pool(*shapes["large"], fill=0)
+    d_ds = Pool(*shapes["ds"], fill=0)
+    src_large = Pool(*shapes["large"], fill=3)               # memcpy baselines' sources
+    src_ds = Pool(*shapes["ds"], fill=3)
+    consumers = {
+        "large": Consumer("large", d_large, ["VRAM"], coalesce=False),
+        "ds": Consumer("ds", d_ds, ["VRAM"], coalesce=False),
+        "ds-co": Consumer("ds-co", d_ds, ["VRAM"], coalesce=True),
+        "ds-mixed": Consumer("ds-mixed", d_ds, ["VRAM", "DRAM"], coalesce=False),
+    }
+    for key, c in consumers.items():
+        c.engine.add_remote(descs["large" if key == "large" else "ds"])
+    conn.send(("add", [c.agent.metadata() for c in consumers.values()]))
+    assert conn.poll(60) and conn.recv() == "ok"
+
+    rng = np.random.default_rng(0)
+    half = 64
+    cases = {
+        "large_region": ("large", np.arange(64), np.arange(64)),
+        "deepseek_scattered": ("ds", np.sort(rng.choice(128, half, replace=False)),
+                               rng.choice(128, half, replace=False)),
+        "deepseek_contiguous": ("ds", np.arange(half), np.arange(32, 32 + half)),
+    }
+    for name, (shape, lids, rids) in cases.items():
+        pools = (d_large, src_large) if shape == "large" else (d_ds, src_ds)
+        measure_case(name, shape, shapes[shape], descs[shape].engine_id, consumers, pools,
+                     lids, rids)
+        conn.send(("drain",))
+        assert conn.poll(30) and conn.recv() == "ok"
+    for c in consumers.values():
+        c.engine.close()
+        c.agent.close()
+    conn.send(("exit",))
+    conn.poll(30)
+    proc.join(30)
+    print(f"# bench_transfer took {time.monotonic() - t_start:.1f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
