@@ -79,12 +79,8 @@ class DescIdLayout:
     """
 
     __slots__ = (
-        "_group_min",
         "_min_cap",
-        "_n_groups",
-        "_n_targets",
-        "_shared_mask",
-        "_single",
+        "_tables",
         "_targets",
         "block_size_ratio",
         "capacities",
@@ -115,9 +111,19 @@ class DescIdLayout:
         _set(self, "region_names", tuple(region_names) if region_names is not None else None)
         _set(self, "_min_cap", int(caps.min()) if caps.size else 0)
 
-        # Per group g in 0..G-1, plus one trailing slot for any group id above the largest
-        # (those reach only the shared regions): number of target regions, their smallest
-        # capacity, and the target region when there is exactly one (else -1).
+        _set(self, "_tables", None)  # group tables, built on the first group-mapped call
+        _set(self, "_targets", {})  # group -> target regions, filled on first use
+
+    def _group_tables(self) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """(G, n_targets, smallest target capacity, single target or -1) per group slot.
+
+        Slots 0..G-1 are the group ids present; slot G stands for any larger id (those
+        reach only the shared regions).
+        """
+        tables = self._tables
+        if tables is not None:
+            return tables
+        caps, gids = self.capacities, self.group_ids
         n_groups = int(gids.max()) + 1 if gids.size else 0
         shared = gids == -1
         own = ~shared
@@ -134,12 +140,10 @@ class DescIdLayout:
         single = np.full(n_groups + 1, -1, dtype=np.int64)
         single[:-1] = np.where((counts == 1) & (n_shared == 0), own_idx, -1)
         single[np.append(counts == 0, True) & (n_shared == 1)] = shared_idx
-        _set(self, "_n_groups", n_groups)
-        _set(self, "_shared_mask", _readonly(shared))
-        _set(self, "_n_targets", _readonly(n_targets))
-        _set(self, "_group_min", _readonly(np.minimum(np.append(own_min, big), shared_min)))
-        _set(self, "_single", _readonly(single))
-        _set(self, "_targets", {})  # group -> target regions, filled on first use
+        group_min = np.minimum(np.append(own_min, big), shared_min)
+        tables = (n_groups, _readonly(n_targets), _readonly(group_min), _readonly(single))
+        object.__setattr__(self, "_tables", tables)  # idempotent: a race builds the same
+        return tables
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"DescIdLayout is immutable; cannot set {name!r}")
@@ -153,10 +157,10 @@ class DescIdLayout:
 
     def targets(self, group: int) -> np.ndarray:
         """Regions that group ``group``'s ids go to on the group-mapped path, ascending."""
-        slot = min(group, self._n_groups)
+        slot = min(group, self._group_tables()[0])
         t = self._targets.get(slot)
         if t is None:
-            t = _readonly(np.flatnonzero((self.group_ids == slot) | self._shared_mask))
+            t = _readonly(np.flatnonzero((self.group_ids == slot) | (self.group_ids == -1)))
             self._targets[slot] = t
         return t
 
@@ -202,8 +206,9 @@ class DescIdLayout:
         live = np.flatnonzero(lens)
         if live.size == 0:
             return empty_ids()
-        slots = np.minimum(live, self._n_groups)
-        orphan = np.flatnonzero(self._n_targets[slots] == 0)
+        n_groups, n_targets, group_min, single = self._group_tables()
+        slots = np.minimum(live, n_groups)
+        orphan = np.flatnonzero(n_targets[slots] == 0)
         if orphan.size:
             g = int(live[orphan[0]])
             raise GroupLayoutError(
@@ -212,7 +217,7 @@ class DescIdLayout:
             )
         live_list = live.tolist()
         if live.size <= _VECTOR_GROUPS:
-            for g, min_cap in zip(live_list, self._group_min[slots].tolist(), strict=True):
+            for g, min_cap in zip(live_list, group_min[slots].tolist(), strict=True):
                 ids = entries[g]
                 if int(ids.min()) < 0 or int(ids.max()) >= min_cap:
                     raise self._range_error(ids, self.targets(g), g)
@@ -221,16 +226,16 @@ class DescIdLayout:
             live_lens = lens[live]
             starts = capacity_offsets(live_lens)
             bad = (np.minimum.reduceat(flat, starts) < 0) | (
-                np.maximum.reduceat(flat, starts) >= self._group_min[slots]
+                np.maximum.reduceat(flat, starts) >= group_min[slots]
             )
             if bad.any():
                 g = live_list[int(np.argmax(bad))]
                 raise self._range_error(entries[g], self.targets(g), g)
-            singles = self._single[slots]
+            singles = single[slots]
             if (singles >= 0).all():
                 # one region per group (the region-mapped call): ids keep their order
                 return flat + np.repeat(self.offsets[singles], live_lens)
-        out = np.empty(int((lens[live] * self._n_targets[slots]).sum()), dtype=np.int64)
+        out = np.empty(int((lens[live] * n_targets[slots]).sum()), dtype=np.int64)
         pos = 0
         for g in live_list:
             ids = entries[g]
