@@ -302,6 +302,10 @@ def test_operator_reconciles_with_the_chart_service_account(
                         name, role=role, engine_id=engine, tp_rank=rank, tp_size=tp,
                         host=pod.status.pod_ip, pod={"name": name, "uid": pod.metadata.uid}))
             admin.wait_condition(SERVING, "Paired", "True")
+            # The examples are accepted by this API server (CRD schema, Deployment).
+            kube.kubectl("apply", "--dry-run=server", "-n", SERVING,
+                         "-f", str(REPO / "examples" / "kvtransfer.yaml"),
+                         "-f", str(REPO / "examples" / "agent-pod.yaml"))
 
             # Decode agents read their own endpoint (get only) and report their handshakes.
             for name in ("d0-0", "d1-0"):

@@ -561,3 +561,24 @@ def test_networkpolicy(rendered: dict) -> None:
     # Default: peers reach every port (UCX picks data-plane ports at run time).
     pol = one(render(sets=["networkPolicy.enabled=true"]), "NetworkPolicy")
     assert "ports" not in pol["spec"]["ingress"][0]
+
+
+# --- examples -------------------------------------------------------------------------------
+
+def test_examples_fit_the_chart() -> None:
+    """examples/ validate (Kubernetes schema, our CRD schema) and use what the chart grants."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    (kvt,) = yaml.safe_load_all((REPO / "examples" / "kvtransfer.yaml").read_text())
+    jsonschema.validate(kvt, _crd_schemas()[("kvbridge.io/v1alpha1", "KVTransfer")])
+    assert kvt["spec"]["sideChannelPort"] == values["networkPolicy"]["sideChannelPort"]
+
+    (dep,) = yaml.safe_load_all((REPO / "examples" / "agent-pod.yaml").read_text())
+    _validate_k8s(dep)
+    pod = dep["spec"]["template"]
+    agent_sa = one(render(), "ServiceAccount", "kvbridge-agent")
+    assert pod["spec"]["serviceAccountName"] == agent_sa["metadata"]["name"]
+    for key, val in values["networkPolicy"]["podSelector"]["matchLabels"].items():
+        assert pod["metadata"]["labels"][key] == val
+    fields = {e["valueFrom"]["fieldRef"]["fieldPath"] for c in pod["spec"]["containers"]
+              for e in c["env"] if "valueFrom" in e}
+    assert {"metadata.name", "metadata.uid", "status.podIP"} <= fields
