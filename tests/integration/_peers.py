@@ -61,7 +61,13 @@ class EngineSpec:
 
     @property
     def name(self) -> str:
-        return self.agent_name or self.engine_id
+        return self.agent_name or (
+            self.engine_id if self.tp_rank == 0 else f"{self.engine_id}-tp{self.tp_rank}")
+
+    @property
+    def key(self) -> str:
+        """How the peer process names this engine in commands (one per engine rank)."""
+        return self.engine_id if self.tp_rank == 0 else f"{self.engine_id}/{self.tp_rank}"
 
 
 class Memory:
@@ -180,7 +186,7 @@ class _Host:
         hosted = _Hosted(spec, memory, agent, local, CompletionTracker(lease_s=lease_s))
         if role == "push":
             hosted.push = PushEngine(local, coalesce=coalesce)
-        self.engines[spec.engine_id] = hosted
+        self.engines[spec.key] = hosted
         return local.describe()
 
     def add_peer(self, engine_id: str, desc: Any) -> str:

@@ -231,3 +231,78 @@ def test_loader_gives_a_clear_error_when_no_nixl(monkeypatch):
     for name in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
         assert name in str(info.value)
     assert builtins.__import__ is real_import
+
+
+# -- in-flight state machine on a fake agent ------------------------------------------------
+class FakeAgent:
+    """Stands in for NixlAgent: parts stay IN_PROGRESS until told; release can refuse."""
+
+    def __init__(self):
+        from kvbridge_agent.nixl import XferState
+
+        self.S = XferState
+        self.done: set[str] = set()
+        self.refuse_release: set[str] = set()
+        self.released: list[str] = []
+        self.notifs: list[tuple[str, bytes]] = []
+
+    def post(self, x, notif=b""):
+        return self.S.DONE if x.label in self.done else self.S.IN_PROGRESS
+
+    def state(self, x):
+        return self.S.DONE if x.label in self.done else self.S.IN_PROGRESS
+
+    def release(self, x):
+        if x.label in self.refuse_release:
+            raise nx.NixlCallError("release refused", nx.FailureCause.TRANSFER)
+        x.released = True
+        self.released.append(x.label)
+
+    def send_notif(self, peer, message):
+        self.notifs.append((peer, message))
+
+
+def _xfer(label):
+    return nx.XferHandle(handle=None, label=label, peer="p", num_descs=1, nbytes=10)
+
+
+def test_inflight_notifies_only_after_every_part_and_reports_once():
+    from kvbridge_agent.nixl._inflight import Transfers
+
+    clock = Clock()
+    agent = FakeAgent()
+    t = Transfers(agent, clock=clock)
+    req = t.begin("r", clock() + 5)
+    t.post(req, _xfer("a"))
+    t.post(req, _xfer("b"))
+    t.defer_notif(req, "p", b"r:1")
+    t.seal(req)
+    assert t.poll() == [] and agent.notifs == []
+    agent.done.add("a")
+    assert t.poll() == [] and agent.notifs == []
+    agent.done.add("b")
+    (res,) = t.poll()
+    assert isinstance(res, nx.TransferDone) and res.parts == 2 and res.notified == ("p",)
+    assert agent.notifs == [("p", b"r:1")] and sorted(agent.released) == ["a", "b"]
+    assert t.poll() == [] and "r" not in t
+
+
+def test_inflight_deadline_fails_releases_and_holds_refused_handles():
+    from kvbridge_agent.nixl._inflight import Transfers
+
+    clock = Clock()
+    agent = FakeAgent()
+    agent.refuse_release.add("stuck")
+    t = Transfers(agent, clock=clock)
+    req = t.begin("r", clock() + 5)
+    t.post(req, _xfer("ok"))
+    t.post(req, _xfer("stuck"))
+    t.defer_notif(req, "p", b"r:1")
+    t.seal(req)
+    clock.t += 6
+    assert t.poll() == []                       # failed, but "stuck" may still be running
+    assert agent.released == ["ok"] and "r" in t
+    agent.refuse_release.clear()
+    (res,) = t.poll()
+    assert res.cause is nx.FailureCause.TIMEOUT and "still in flight" in res.message
+    assert agent.notifs == []                   # a failed request never notifies

@@ -8,6 +8,7 @@ register ``nixl_thread_sync_t`` twice), so the first one found wins and is cache
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 from dataclasses import dataclass
 from types import ModuleType
@@ -47,13 +48,18 @@ def load_nixl() -> NixlModule:
             return _loaded
         failures: list[str] = []
         for package in CANDIDATES:
+            # A failed `import nixl` may already have loaded one build's bindings; a second
+            # build in the same process would fail to import, so only that one is tried.
+            loaded = [c for c in CANDIDATES[1:] if f"{c}._bindings" in sys.modules]
+            if loaded and package != "nixl" and package not in loaded:
+                failures.append(f"{package}._api: skipped, {loaded[0]} is already loaded")
+                continue
             try:
                 api = importlib.import_module(f"{package}._api")
             except ImportError as exc:
                 failures.append(f"{package}._api: {exc}")
                 continue
-            bindings = api.nixlBind
-            _loaded = NixlModule(package=package, api=api, bindings=bindings)
+            _loaded = NixlModule(package=package, api=api, bindings=api.nixlBind)
             return _loaded
         raise NixlUnavailableError(
             "no NIXL Python package is importable (tried "
