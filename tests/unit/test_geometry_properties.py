@@ -16,6 +16,7 @@ from kvbridge_agent.geometry import (
     CacheView,
     DescIdLayout,
     GroupLayoutError,
+    RegionAliasError,
     align_prefix_by_group,
     align_prefix_by_region,
     block_ids_by_region,
@@ -459,3 +460,54 @@ def test_transfer_invariants_on_byte_ranges(case) -> None:
         (tuple(a), tuple(b)) for a, b in zip(ltab[local_ids].tolist(),
                                              rtab[remote_ids].tolist(), strict=True)
     )
+
+
+# -- region dedup / overlap detection vs brute force ----------------------------------------
+
+
+@SETTINGS
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 160), st.integers(1, 12), st.integers(1, 3),
+                  st.integers(0, 5), st.integers(0, 1)),
+        min_size=1, max_size=4,
+    )
+)
+def test_plan_overlap_detection_matches_brute_force(specs) -> None:
+    views = [
+        CacheView(f"l.{i}", g, addr, n, length, length * mult)
+        for i, (addr, length, mult, n, g) in enumerate(specs)
+    ]
+    # reference fold: same (addr, len) -> one region; stride must agree; last MLA view's
+    # capacity wins; groups differ -> shared
+    folded: dict[tuple[int, int], list] = {}
+    stride_conflict = False
+    for v in views:
+        cur = folded.get((v.addr, v.block_len))
+        if cur is None:
+            folded[(v.addr, v.block_len)] = [v.block_stride, v.num_blocks, v.group_id]
+            continue
+        stride_conflict |= cur[0] != v.block_stride
+        cur[1] = v.num_blocks
+        cur[2] = cur[2] if cur[2] == v.group_id else -1
+
+    def spans(addr, length, stride, n):
+        return [(addr + b * stride, addr + b * stride + length) for b in range(n)]
+
+    regions = [(a, ln, s, n) for (a, ln), (s, n, _) in folded.items()]
+    overlap = any(
+        x0 < y1 and y0 < x1
+        for i, ra in enumerate(regions)
+        for rb in regions[i + 1 :]
+        for x0, x1 in spans(*ra)
+        for y0, y1 in spans(*rb)
+    )
+    if stride_conflict or overlap:
+        with pytest.raises(RegionAliasError):
+            plan_regions(views)
+        return
+    plan = plan_regions(views)
+    got = sorted((r.addr, r.block_len, r.block_stride, r.num_blocks, r.group_id)
+                 for r in plan.regions)
+    assert got == sorted((a, ln, s, n, g) for (a, ln), (s, n, g) in folded.items())
+    assert list(plan.names) == sorted(plan.names, key=lambda x: int(x.split(".")[1]))

@@ -237,6 +237,20 @@ def test_from_tensor_torch_strided_alias() -> None:
         CacheView.from_tensor("l.1", flat, group_id=0)
     with pytest.raises(CacheViewError, match="tensor-like"):
         CacheView.from_tensor("l.2", object(), group_id=0)
+    with pytest.raises(CacheViewError, match="num_blocks 5 exceeds the view's 4 rows"):
+        CacheView.from_tensor("l.0", page_view, group_id=0, num_blocks=5)
+
+
+def test_from_tensor_ppl_splits_logical_rows() -> None:
+    torch = pytest.importorskip("torch")
+    t = torch.zeros((3, 4, 8), dtype=torch.float16)  # 3 logical blocks of 64 B
+    v = CacheView.from_tensor("l.0", t, group_id=0, ppl=2)
+    assert (v.num_blocks, v.block_len, v.block_stride) == (6, 32, 32)
+    plan = plan_regions([v])
+    assert local_descriptor_table(plan)[:, 0].tolist() == [t.data_ptr() + 32 * i
+                                                           for i in range(6)]
+    with pytest.raises(CacheViewError, match="does not split into ppl=3"):
+        CacheView.from_tensor("l.0", t, group_id=0, ppl=3)
 
 
 # -- descriptor tables ----------------------------------------------------------------------

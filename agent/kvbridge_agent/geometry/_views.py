@@ -158,6 +158,7 @@ class CacheView:
         is_mla: bool = True,
         mem_type: str | None = None,
         block_stride: int | None = None,
+        ppl: int = 1,
     ) -> CacheView:
         """A view from a blocks-first tensor (duck-typed: torch is never imported).
 
@@ -168,7 +169,14 @@ class CacheView:
         A 1-D view is treated as a flat pool: ``num_blocks`` is then required and each
         block is ``nbytes // num_blocks`` bytes. ``mem_type`` defaults to ``"DRAM"`` for a
         CPU tensor and ``"VRAM"`` otherwise; DRAM views get device 0.
+
+        With ``ppl`` > 1 (physical blocks per logical block, spec §2.3) each row is a
+        logical block holding ``ppl`` kernel blocks: the defaults become
+        ``num_blocks = shape[0] * ppl`` and stride and length divided by ``ppl``. With
+        ``ppl == 1`` the view must have at least ``num_blocks`` rows.
         """
+        if isinstance(ppl, bool) or not isinstance(ppl, int) or ppl < 1:
+            raise CacheViewError(f"view {name!r}: ppl must be an int >= 1, got {ppl!r}")
         try:
             addr = int(tensor.data_ptr())
             shape = tuple(int(d) for d in tensor.shape)
@@ -203,10 +211,22 @@ class CacheView:
             page = block_stride
         else:
             page = math.prod(shape[1:]) * esize
+            row_stride = strides[0] * esize
+            if page % ppl or row_stride % ppl:
+                raise CacheViewError(
+                    f"view {name!r}: a block of {page} bytes (row stride {row_stride}) does "
+                    f"not split into ppl={ppl} kernel blocks"
+                )
+            page //= ppl
             if block_stride is None:
-                block_stride = strides[0] * esize
+                block_stride = row_stride // ppl
             if num_blocks is None:
-                num_blocks = shape[0]
+                num_blocks = shape[0] * ppl
+            elif ppl == 1 and num_blocks > shape[0]:
+                raise CacheViewError(
+                    f"view {name!r}: num_blocks {num_blocks} exceeds the view's "
+                    f"{shape[0]} rows in dimension 0"
+                )
         if block_len is None:
             block_len = page
 
