@@ -194,8 +194,8 @@ class LocalCluster:
             ],
             logs,
         )  # fmt: skip
-        self._write_kubeconfig(self.kubeconfig, self.token, user="admin")
         self._wait_ready(time.monotonic() + timeout)
+        self._write_kubeconfig(self.kubeconfig, self.token, user="admin")
         self._spawn(
             "kube-controller-manager",
             [
@@ -267,7 +267,7 @@ clusters:
 - name: local
   cluster:
     server: {self.server}
-    insecure-skip-tls-verify: true
+    certificate-authority: {self.ca_file}
 users:
 - name: {user}
   user:
@@ -280,6 +280,12 @@ current-context: {user}@local
         )
         path.chmod(0o600)
         return path
+
+    @property
+    def ca_file(self) -> Path:
+        """The apiserver's self-signed serving certificate chain (a CA bundle for clients)."""
+        assert self.workdir is not None
+        return self.workdir / "pki" / "apiserver.crt"
 
     def kubeconfig_for_token(self, token: str, name: str) -> Path:
         """A kubeconfig authenticating with ``token`` (e.g. a ServiceAccount token)."""
@@ -308,10 +314,8 @@ current-context: {user}@local
 
     def api_client(self, kubeconfig: Path | None = None) -> Any:
         """An official-client ``ApiClient`` for this cluster (admin unless told otherwise)."""
-        import urllib3
         from kubernetes import config
 
-        urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
         return config.new_client_from_config(config_file=str(kubeconfig or self.kubeconfig))
 
     def env(self) -> dict[str, str]:

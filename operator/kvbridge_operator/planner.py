@@ -242,7 +242,7 @@ def plan(
     usable_d, usable_p, incompatible_pairs = _classify(engines, compat, v)
     assignment = _pair(transfer, usable_d, usable_p, node_labels or {})
     pairs = _peers_and_handshakes(usable_d, usable_p, assignment, v)
-    return _finish(transfer, eps, v, usable_d, usable_p, pairs, incompatible_pairs)
+    return _finish(transfer, eps, v, engines, pairs, incompatible_pairs)
 
 
 def _exclude(transfer: Transfer, eps: list[Endpoint], v: _Verdicts) -> list[Endpoint]:
@@ -450,14 +450,33 @@ def _classify(
             p, fail = first_fail[dk]
             for d in ds:
                 _engine_incompatible(v, d, p, fail, len(engines[PREFILL]))
+    if not p_classes:
+        for d in engines[DECODE].values():
+            for e in d.ranks:
+                v.set(
+                    e,
+                    EndpointState.UNPAIRED,
+                    "NoPrefillEngines",
+                    "no complete, compatible prefill engine is available yet",
+                )
     usable_p = {}
     for pk, ps in p_classes.items():
         if pk in used_p or not d_classes:
             usable_p.update({p.engine_id: p for p in ps})
-        else:
+        elif usable_d:  # other prefill engines serve the decodes: this one is the odd one
             d, fail = p_first_fail[pk]
             for p in ps:
                 _engine_incompatible(v, p, d, fail, len(engines[DECODE]), decode_side=d)
+        else:  # nothing pairs at all; the decode endpoints carry the reason
+            for p in ps:
+                for e in p.ranks:
+                    v.set(
+                        e,
+                        EndpointState.UNPAIRED,
+                        "NoCompatibleDecode",
+                        "no decode engine is compatible with this prefill engine; see the "
+                        "decode KVEndpoints' status for the rule",
+                    )
     return dict(sorted(usable_d.items())), usable_p, incompatible_pairs
 
 
@@ -698,20 +717,28 @@ def _counts(role: str, eps: list[Endpoint], v: _Verdicts, engines: int) -> RoleC
     )
 
 
+def _compatible_engines(engines: dict[str, _Engine], v: _Verdicts) -> int:
+    """Complete engines not found incompatible (paired, or waiting for a peer)."""
+    return sum(
+        1
+        for e in engines.values()
+        if v.items[e.ranks[0].name].state is not EndpointState.INCOMPATIBLE
+    )
+
+
 def _finish(
     transfer: Transfer,
     eps: list[Endpoint],
     v: _Verdicts,
-    usable_d: dict[str, tuple[_Engine, list[str]]],
-    usable_p: dict[str, _Engine],
+    engines: dict[str, dict[str, _Engine]],
     pairs: list[Pair],
     incompatible_pairs: int,
 ) -> Plan:
     for e in eps:  # anything not decided yet (cannot happen today; keeps the plan total)
         if e.name not in v.items:
             v.set(e, EndpointState.PENDING, "Pending", "not planned yet")
-    prefill = _counts(PREFILL, eps, v, len(usable_p))
-    decode = _counts(DECODE, eps, v, len(usable_d))
+    prefill = _counts(PREFILL, eps, v, _compatible_engines(engines[PREFILL], v))
+    decode = _counts(DECODE, eps, v, _compatible_engines(engines[DECODE], v))
     problems = sorted(v.problems, key=lambda p: p.endpoint)
     plans = [v.items[e.name] for e in eps]
     conditions = _conditions(transfer, eps, plans, problems, prefill, decode, pairs)
@@ -786,7 +813,7 @@ def _conditions(
             "NoDecodeEngines",
             "no complete, compatible decode engine (see KVEndpoint status)",
         )
-    elif not prefill.engines:
+    elif not pairs:
         paired = C(
             "Paired",
             "False",

@@ -35,7 +35,7 @@ def _get(
         return default
     if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
         names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-        raise SpecError(where, f"a {names}", value)
+        raise SpecError(where, f"type {names}", value)
     return value
 
 

@@ -1,0 +1,221 @@
+"""Helpers for the e2e tests: the operator as a separate process, API shortcuts, a fake agent.
+
+The operator runs the way it runs in a cluster: ``kopf run --all-namespaces -m
+kvbridge_operator.main`` in its own process, authenticated with a ServiceAccount token bound
+to ``hack/operator-rbac.yaml`` only, serving the admission webhook over loopback TLS.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from kvbridge_operator import testing as manifests
+from kvbridge_operator.config import ENDPOINTS, GROUP, TRANSFERS, VERSION
+
+REPO = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
+
+def wait_for(fn: Callable[[], T], *, timeout: float = 30.0, interval: float = 0.2,
+             what: str = "condition") -> T:  # fmt: skip
+    """Poll ``fn`` until it returns something truthy; fail with the last value on timeout."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+        except (ApiException, KeyError, IndexError, StopIteration) as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.status, resp.read().decode()
+
+
+class OperatorProcess:
+    """``kopf run`` of kvbridge_operator in a child process; restartable."""
+
+    def __init__(self, kubeconfig: Path, workdir: Path, env: dict[str, str], ports: dict[str, int]):
+        self.kubeconfig = kubeconfig
+        self.workdir = workdir
+        self.env = env
+        self.ports = ports
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
+
+    @property
+    def liveness_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['liveness']}/healthz"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"operator-{self.starts}.log"
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.starts += 1
+        env = {**os.environ, **self.env, "KUBECONFIG": str(self.kubeconfig)}
+        cmd = [sys.executable, "-m", "kopf", "run", "--all-namespaces",
+               f"--liveness={self.liveness_url}", "-m", "kvbridge_operator.main"]  # fmt: skip
+        with open(self.log_path, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+        def alive() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"operator exited:\n{self.log()[-4000:]}")
+            try:
+                return http_get(self.liveness_url)[0] == 200
+            except OSError:
+                return False
+
+        wait_for(alive, timeout=timeout, what="operator liveness")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.proc = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def metric(self, name: str) -> float:
+        """Sum of all samples of a metric family line prefix (e.g. kvbridge_reconciles_total)."""
+        _, text = http_get(self.metrics_url)
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+class Api:
+    """Thin shortcuts over the official client for KVTransfers, KVEndpoints and Pods."""
+
+    def __init__(self, api_client: Any) -> None:
+        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+
+    # -- custom resources -------------------------------------------------------------------
+    def create(self, plural: str, ns: str, body: dict) -> dict:
+        return self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, plural, body)
+
+    def get(self, plural: str, ns: str, name: str) -> dict:
+        return self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, plural, name)
+
+    def list(self, plural: str, ns: str) -> list[dict]:
+        return self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, plural)["items"]
+
+    def patch(self, plural: str, ns: str, name: str, body: dict) -> dict:
+        return self.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, plural, name, body)
+
+    def patch_status(self, plural: str, ns: str, name: str, status: dict) -> dict:
+        return self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, ns, plural, name, {"status": status}
+        )
+
+    def delete(self, plural: str, ns: str, name: str) -> None:
+        try:
+            self.custom.delete_namespaced_custom_object(GROUP, VERSION, ns, plural, name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def transfer(self, ns: str, name: str = "kvt") -> dict:
+        return self.get(TRANSFERS, ns, name)
+
+    def endpoint(self, ns: str, name: str) -> dict:
+        return self.get(ENDPOINTS, ns, name)
+
+    def endpoints(self, ns: str) -> dict[str, dict]:
+        return {e["metadata"]["name"]: e for e in self.list(ENDPOINTS, ns)}
+
+    def create_transfer(self, ns: str, name: str = "kvt", **kw: Any) -> dict:
+        return self.create(TRANSFERS, ns, manifests.transfer_manifest(name, **kw))
+
+    # -- conditions -------------------------------------------------------------------------
+    def condition(self, ns: str, ctype: str, name: str = "kvt") -> dict:
+        conds = (self.transfer(ns, name).get("status") or {}).get("conditions") or []
+        return next((c for c in conds if c["type"] == ctype), {})
+
+    def wait_condition(self, ns: str, ctype: str, status: str, *, reason: str | None = None,
+                       name: str = "kvt", timeout: float = 30.0) -> dict:  # fmt: skip
+        def check() -> dict:
+            c = self.condition(ns, ctype, name)
+            ok = c.get("status") == status and (reason is None or c.get("reason") == reason)
+            return c if ok else {}
+
+        return wait_for(check, timeout=timeout, what=f"{ctype}={status} ({reason or 'any'})")
+
+    # -- the fake agent ---------------------------------------------------------------------
+    def start_engine(self, ns: str, engine_id: str, role: str, tp_size: int = 1, *,
+                     node: str | None = None, epoch: int = 1, **kw: Any) -> list[str]:  # fmt: skip
+        """Pods (one per TP rank) and their KVEndpoints, owned by the pods, as agents would."""
+        names = [f"{engine_id}-{r}" for r in range(tp_size)]
+        for n in names:
+            pod: dict[str, Any] = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": n, "labels": {"kvbridge.io/role": role}},
+                "spec": {"containers": [{"name": "engine", "image": "vllm:fake"}]},
+            }
+            if node:
+                pod["spec"]["nodeSelector"] = {"kubernetes.io/hostname": node}
+            self.core.create_namespaced_pod(ns, pod)
+        for r, n in enumerate(names):
+            pod = wait_for(lambda n=n: self._running(ns, n), what=f"pod {n} running")
+            body = manifests.endpoint_manifest(
+                n, role=role, engine_id=engine_id, tp_rank=r, tp_size=tp_size, epoch=epoch,
+                host=pod.status.pod_ip, node_name=pod.spec.node_name,
+                pod={"name": n, "uid": pod.metadata.uid}, **kw,
+            )  # fmt: skip
+            self.create(ENDPOINTS, ns, body)
+        return names
+
+    def _running(self, ns: str, name: str) -> Any:
+        pod = self.core.read_namespaced_pod(name, ns)
+        return pod if pod.status.phase == "Running" and pod.status.pod_ip else None
+
+    def delete_pods(self, ns: str, names: Iterable[str]) -> None:
+        for n in names:
+            self.core.delete_namespaced_pod(n, ns)
+
+    def report_handshakes(self, ns: str, names: Iterable[str] | None = None, ok: bool = True,
+                          message: str = "") -> int:  # fmt: skip
+        """Act as the decode agents: record a handshake with every assigned peer."""
+        written = 0
+        for name, e in self.endpoints(ns).items():
+            if e["spec"]["role"] != "decode" or (names is not None and name not in names):
+                continue
+            peers = (e.get("status") or {}).get("peers") or []
+            entries = [manifests.handshake(p["name"], p["epoch"], ok, message) for p in peers]
+            if entries and entries != (e.get("status") or {}).get("handshakes"):
+                self.patch_status(ENDPOINTS, ns, name, {"handshakes": entries})
+                written += 1
+        return written

@@ -1,0 +1,266 @@
+"""The planner is pure: KVTransfer + KVEndpoints in, pairing and verdicts out. No cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import pytest
+
+from kvbridge_operator import status as st
+from kvbridge_operator import testing as T
+from kvbridge_operator.planner import EndpointState, PairState, Plan, endpoint_field, plan
+from kvbridge_operator.spec import Endpoint, Transfer, parse_endpoint, parse_transfer
+
+
+def transfer(**kw: Any) -> Transfer:
+    return parse_transfer(T.transfer_manifest(**kw))
+
+
+def engines(prefix: str, role: str, n: int, tp: int = 1, **kw: Any) -> list[Endpoint]:
+    out = []
+    for i in range(n):
+        out += [parse_endpoint(m) for m in T.engine_manifests(f"{prefix}{i}", role, tp, **kw)]
+    return out
+
+
+def ep(name: str, role: str, engine: str, **kw: Any) -> Endpoint:
+    return parse_endpoint(T.endpoint_manifest(name, role=role, engine_id=engine, **kw))
+
+
+def write_back(p: Plan, eps: list[Endpoint]) -> list[Endpoint]:
+    """What the cluster looks like after the operator wrote ``p``'s endpoint statuses."""
+    verdicts = {v.name: v for v in p.endpoints}
+    return [dataclasses.replace(e, status=st.endpoint_status(verdicts[e.name], e)) for e in eps]
+
+
+def handshakes_done(p: Plan, eps: list[Endpoint], ok: bool = True) -> list[Endpoint]:
+    """The decode agents report a handshake with every assigned peer."""
+    out = []
+    for e in eps:
+        v = p.endpoint(e.name)
+        if e.role == "decode" and v.peers:
+            hs = tuple(parse_endpoint({**T.endpoint_manifest(e.name, role="decode",
+                                                             engine_id="x"),
+                                       "status": {"handshakes": [
+                                           T.handshake(x.name, x.epoch, ok, "boom")
+                                           for x in v.peers]}}).handshakes)  # fmt: skip
+            e = dataclasses.replace(e, handshakes=hs)
+        out.append(e)
+    return out
+
+
+def cond(p: Plan, ctype: str) -> tuple[str, str]:
+    c = next(c for c in p.conditions if c.type == ctype)
+    return c.status, c.reason
+
+
+class TestPairing:
+    def test_balanced_pairs_every_decode_engine(self) -> None:
+        eps = engines("p", "prefill", 2) + engines("d", "decode", 5)
+        p = plan(transfer(), eps)
+        loads = sorted(pair.prefill_engine for pair in p.pairs)
+        assert loads == ["p0", "p0", "p0", "p1", "p1"]
+        assert cond(p, "Paired") == ("True", "AllDecodeEnginesPaired")
+        assert cond(p, "GeometryCompatible") == ("True", "AllCompatible")
+        assert cond(p, "HandshakesVerified") == ("False", "HandshakesPending")
+        assert cond(p, "Ready") == ("False", "HandshakesPending")
+        assert p.decode.engines == 5 and p.prefill.engines == 2
+
+    @pytest.mark.parametrize(("d_tp", "p_tp", "expected"), [
+        (1, 2, {0: [0, 1]}),
+        (2, 1, {0: [0], 1: [0]}),
+        (4, 2, {0: [0], 1: [0], 2: [1], 3: [1]}),
+        (2, 4, {0: [0, 1], 1: [2, 3]}),
+    ])  # fmt: skip
+    def test_tp_rank_mapping_follows_spec_1_9(self, d_tp: int, p_tp: int,
+                                              expected: dict[int, list[int]]) -> None:  # fmt: skip
+        eps = engines("p", "prefill", 1, p_tp) + engines("d", "decode", 1, d_tp)
+        p = plan(transfer(prefill_tp=p_tp, decode_tp=d_tp), eps)
+        for rank, targets in expected.items():
+            peers = p.endpoint(f"d0-{rank}").peers
+            assert [x.tp_rank for x in peers] == targets
+            assert all(x.engine_id == "p0" and x.role == "prefill" for x in peers)
+        served = {x.name for r in range(p_tp) for x in p.endpoint(f"p0-{r}").peers}
+        assert served == {f"d0-{r}" for r in range(d_tp)}
+
+    def test_prefill_per_decode_assigns_several_engines(self) -> None:
+        eps = engines("p", "prefill", 3) + engines("d", "decode", 3)
+        p = plan(transfer(pairing={"prefillPerDecode": 2}), eps)
+        assert len(p.pairs) == 6
+        assert sorted(x.engine_id for x in p.endpoint("d0-0").peers) == ["p0", "p1"]
+
+    def test_topology_aware_prefers_same_zone(self) -> None:
+        nodes = {"na": {"zone": "a"}, "nb": {"zone": "b"}}
+        eps = (engines("pa", "prefill", 1, node_name="na")
+               + engines("pb", "prefill", 1, node_name="nb")
+               + engines("da", "decode", 2, node_name="na")
+               + engines("db", "decode", 2, node_name="nb"))  # fmt: skip
+        t = transfer(pairing={"policy": "TopologyAware", "topologyKey": "zone"})
+        pairs = {x.decode_engine: x.prefill_engine for x in plan(t, eps, nodes).pairs}
+        assert pairs == {"da0": "pa0", "da1": "pa0", "db0": "pb0", "db1": "pb0"}
+        # Balanced ignores zones and interleaves by load.
+        balanced = {x.decode_engine: x.prefill_engine for x in plan(transfer(), eps, nodes).pairs}
+        assert sorted(balanced.values()) == ["pa0", "pa0", "pb0", "pb0"]
+        assert balanced != pairs
+
+    def test_assignments_are_sticky_when_scaling_out(self) -> None:
+        base = engines("p", "prefill", 2) + engines("d", "decode", 4)
+        first = plan(transfer(), base)
+        grown = write_back(first, base) + engines("dn", "decode", 2)
+        second = plan(transfer(), grown)
+        before = {x.decode_engine: x.prefill_engine for x in first.pairs}
+        after = {x.decode_engine: x.prefill_engine for x in second.pairs}
+        assert all(after[d] == p for d, p in before.items())
+        assert sorted(after.values()) == ["p0", "p0", "p0", "p1", "p1", "p1"]
+
+    def test_scale_in_rebalances_over_cap(self) -> None:
+        base = engines("p", "prefill", 2) + engines("d", "decode", 4)
+        first = write_back(plan(transfer(), base), base)
+        on_p1 = {x.decode_engine for x in plan(transfer(), first).pairs if x.prefill_engine == "p1"}
+        shrunk = [e for e in first if e.engine_id not in on_p1]  # every decode on p1 goes
+        pairs = plan(transfer(), shrunk).pairs
+        assert sorted(x.prefill_engine for x in pairs) == ["p0", "p1"]
+
+
+class TestVerdicts:
+    def test_incompatible_decode_is_never_paired_and_named(self) -> None:
+        bad = ep("dbad-0", "decode", "dbad", geometry={"regions": T.regions(block_len=2048)})
+        p = plan(transfer(), [*engines("p", "prefill", 2), *engines("d", "decode", 1), bad])
+        v = p.endpoint("dbad-0")
+        assert v.state is EndpointState.INCOMPATIBLE and v.peers == ()
+        assert v.message.startswith("spec.geometry.regions[0].blockLen: incompatible with every")
+        assert [(x.endpoint, x.rule, x.field) for x in p.problems] == [
+            ("dbad-0", "block_lens", "spec.geometry.regions[0].blockLen")
+        ]
+        assert cond(p, "GeometryCompatible") == ("False", "IncompatibleEndpoints")
+        assert cond(p, "Degraded") == ("True", "IncompatibleEndpoints")
+        assert p.incompatible_pairs == 2
+        assert "dbad" not in {x.decode_engine for x in p.pairs}
+
+    def test_hash_mismatch_follows_enforcement(self) -> None:
+        other = ep("d9-0", "decode", "d9", compatibilityHash="f" * 64)
+        eps = [*engines("p", "prefill", 1), other]
+        assert plan(transfer(), eps).problems[0].field == "spec.compatibilityHash"
+        relaxed = plan(transfer(compatibility={"enforceHash": False}), eps)
+        assert relaxed.problems == () and len(relaxed.pairs) == 1
+
+    def test_endpoint_against_transfer_spec(self) -> None:
+        eps = [ep("a-0", "decode", "a", mode="push"), ep("b-0", "decode", "b", tp_size=2),
+               ep("c-0", "decode", "c", protocolVersion=10)]  # fmt: skip
+        p = plan(transfer(), [*engines("p", "prefill", 1), *eps])
+        fields = {x.endpoint: x.field for x in p.problems}
+        assert fields == {"a-0": "spec.mode", "b-0": "spec.tpSize", "c-0": "spec.protocolVersion"}
+        assert "KVTransfer spec.decode.tensorParallelSize" in p.endpoint("b-0").message
+
+    def test_push_mode_rejects_different_group_layouts_via_agent_rules(self) -> None:
+        groups = T.regions(4)
+        groups[1]["groupId"] = 1
+        d = ep("d-0", "decode", "d", mode="push", geometry={"regions": groups})
+        p = plan(transfer(mode="push"), [*engines("p", "prefill", 1, mode="push"), d])
+        assert [x.rule for x in p.problems] == ["push_group_layout"]
+
+    def test_stale_epoch_is_ignored(self) -> None:
+        old = ep("p0-old", "prefill", "p0", epoch=3)
+        new = ep("p0-new", "prefill", "p0", epoch=4)
+        p = plan(transfer(), [old, new, *engines("d", "decode", 1)])
+        assert p.endpoint("p0-old").state is EndpointState.STALE
+        assert [(x.name, x.epoch) for x in p.endpoint("d0-0").peers] == [("p0-new", 4)]
+        assert cond(p, "Degraded") == ("True", "StaleEndpoints")
+
+    def test_incomplete_engine_waits(self) -> None:
+        half = ep("p0-0", "prefill", "p0", tp_size=2)
+        p = plan(transfer(prefill_tp=2), [half, *engines("d", "decode", 1)])
+        assert p.endpoint("p0-0").reason == "EngineIncomplete"
+        assert "waiting for ranks [1]" in p.endpoint("p0-0").message
+        assert cond(p, "Paired") == ("False", "NoPrefillEngines")
+
+    def test_selector_and_termination_exclude(self) -> None:
+        t = transfer(decode={"tensorParallelSize": 1, "selector": {"matchLabels": {"a": "1"}}})
+        eps = [*engines("p", "prefill", 1), ep("d0-0", "decode", "d0", labels={"a": "1"}),
+               ep("d1-0", "decode", "d1")]  # fmt: skip
+        p = plan(t, eps)
+        assert p.endpoint("d1-0").reason == "NotSelected"
+        gone = dataclasses.replace(eps[1], deleting=True)
+        assert plan(t, [eps[0], gone]).endpoint("d0-0").reason == "Terminating"
+
+    def test_no_endpoints(self) -> None:
+        p = plan(transfer(), [])
+        assert cond(p, "GeometryCompatible") == ("Unknown", "NoEndpoints")
+        assert cond(p, "Ready") == ("False", "NoDecodeEngines")
+
+
+class TestHandshakes:
+    def test_ready_only_after_every_handshake(self) -> None:
+        eps = engines("p", "prefill", 1, 2) + engines("d", "decode", 2)
+        t = transfer(prefill_tp=2)
+        p = plan(t, eps)
+        done = plan(t, handshakes_done(p, eps))
+        assert cond(done, "Ready") == ("True", "AllPairsVerified")
+        assert all(x.state is PairState.VERIFIED for x in done.pairs)
+        assert done.decode.verified == 2 and done.prefill.verified == 2
+
+    def test_handshake_at_old_epoch_does_not_count(self) -> None:
+        eps = engines("p", "prefill", 1) + engines("d", "decode", 1)
+        verified = handshakes_done(plan(transfer(), eps), eps)
+        restarted = [dataclasses.replace(e, epoch=9) if e.role == "prefill" else e
+                     for e in verified]  # fmt: skip
+        p = plan(transfer(), restarted)
+        assert cond(p, "HandshakesVerified") == ("False", "HandshakesPending")
+        assert p.endpoint("d0-0").peers[0].epoch == 9
+
+    def test_failed_handshake_degrades(self) -> None:
+        eps = engines("p", "prefill", 1) + engines("d", "decode", 1)
+        p = plan(transfer(), handshakes_done(plan(transfer(), eps), eps, ok=False))
+        assert cond(p, "HandshakesVerified") == ("False", "HandshakeFailed")
+        assert cond(p, "Degraded") == ("True", "HandshakeFailed")
+        assert "boom" in p.endpoint("d0-0").message
+
+
+class TestDeterminism:
+    @pytest.mark.parametrize("seed", range(8))
+    def test_same_input_same_plan_and_fixpoint(self, seed: int) -> None:
+        rng = random.Random(seed)
+        p_tp, d_tp = rng.choice([(1, 1), (2, 1), (1, 2), (2, 4)])
+        eps = (engines("p", "prefill", rng.randint(1, 5), p_tp)
+               + engines("d", "decode", rng.randint(1, 12), d_tp))  # fmt: skip
+        bad = rng.sample(eps, k=min(2, len(eps)))
+        eps = [dataclasses.replace(e, compatibility_hash="a" * 64) if e in bad else e
+               for e in eps]  # fmt: skip
+        t = transfer(prefill_tp=p_tp, decode_tp=d_tp,
+                     pairing={"prefillPerDecode": rng.randint(1, 3)})  # fmt: skip
+        first = plan(t, eps)
+        shuffled = eps[:]
+        rng.shuffle(shuffled)
+        assert plan(t, shuffled) == first
+        # The operator writes peers back and restarts: the plan must not move.
+        again = plan(t, write_back(first, eps))
+        assert again == first
+        assert plan(t, write_back(again, shuffled)) == first
+
+
+def test_endpoint_field_maps_wire_names_to_kvendpoint_paths() -> None:
+    assert endpoint_field("block_lens[3]") == "spec.geometry.regions[3].blockLen"
+    assert endpoint_field("region_names[0]") == "spec.geometry.regions[0].name"
+    assert endpoint_field("len(block_lens)") == "spec.geometry.regions"
+    assert endpoint_field("region_group_ids") == "spec.geometry.regions[*].groupId"
+    assert endpoint_field("compatibility_hash") == "spec.compatibilityHash"
+    assert endpoint_field("kv_cache_layout") == "spec.geometry.kvCacheLayout"
+
+
+def test_conditions_keep_transition_time_unless_status_changes() -> None:
+    eps = engines("p", "prefill", 1) + engines("d", "decode", 1)
+    p = plan(transfer(), eps)
+    s1 = st.transfer_status(p, None, generation=1, now="2025-01-01T00:00:00Z")
+    s2 = st.transfer_status(p, s1, generation=2, now="2025-01-02T00:00:00Z")
+    assert [c["lastTransitionTime"] for c in s2["conditions"]] == ["2025-01-01T00:00:00Z"] * 5
+    assert {c["observedGeneration"] for c in s2["conditions"]} == {2}
+    done = plan(transfer(), handshakes_done(p, eps))
+    s3 = st.transfer_status(done, s2, generation=2, now="2025-01-03T00:00:00Z")
+    times = {c["type"]: c["lastTransitionTime"] for c in s3["conditions"]}
+    assert times["Ready"] == times["HandshakesVerified"] == "2025-01-03T00:00:00Z"
+    assert times["Paired"] == "2025-01-01T00:00:00Z"
+    assert [c["type"] for c in st.transitions(s2["conditions"], s3["conditions"])] == [
+        "HandshakesVerified", "Ready"
+    ]  # fmt: skip
