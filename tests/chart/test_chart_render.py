@@ -582,3 +582,16 @@ def test_examples_fit_the_chart() -> None:
     fields = {e["valueFrom"]["fieldRef"]["fieldPath"] for c in pod["spec"]["containers"]
               for e in c["env"] if "valueFrom" in e}
     assert {"metadata.name", "metadata.uid", "status.podIP"} <= fields
+
+
+def test_package(tmp_path: Path) -> None:
+    """The packaged chart carries its CRDs, schema, README and NOTES, and nothing stray."""
+    import tarfile
+
+    helm("package", str(CHART), "-d", str(tmp_path))
+    (tgz,) = tmp_path.glob("kvbridge-*.tgz")
+    with tarfile.open(tgz) as tf:
+        names = {n.split("/", 1)[1] for n in tf.getnames()}
+    assert {"Chart.yaml", "values.yaml", "values.schema.json", "README.md",
+            "templates/NOTES.txt", "crds/kvbridge.io_kvtransfers.yaml"} <= names
+    assert all(n.startswith(("crds/", "templates/")) or "/" not in n for n in names), names
