@@ -1,0 +1,58 @@
+"""Who this pod is (downward API) and how to reach the apiserver as its ServiceAccount."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_POD_NAME = "POD_NAME"
+ENV_POD_UID = "POD_UID"
+ENV_POD_NAMESPACE = "POD_NAMESPACE"
+ENV_NODE_NAME = "NODE_NAME"
+ENV_POD_IP = "POD_IP"
+
+
+@dataclass(frozen=True)
+class PodIdentity:
+    """The pod the agent runs in; the KVEndpoint's ownerReference points at it."""
+
+    name: str
+    uid: str
+    namespace: str
+    node_name: str = ""
+    pod_ip: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> PodIdentity:
+        """From ``POD_NAME``, ``POD_UID``, ``POD_NAMESPACE`` (required), ``NODE_NAME`` and
+        ``POD_IP`` (optional), as the example pod template sets them via the downward API."""
+        env = os.environ if env is None else env
+        missing = [k for k in (ENV_POD_NAME, ENV_POD_UID, ENV_POD_NAMESPACE) if not env.get(k)]
+        if missing:
+            raise ValueError(
+                f"pod identity: environment variables {missing} are not set; expose them with "
+                "the downward API (fieldRef metadata.name, metadata.uid, metadata.namespace)")
+        return cls(env[ENV_POD_NAME], env[ENV_POD_UID], env[ENV_POD_NAMESPACE],
+                   env.get(ENV_NODE_NAME, ""), env.get(ENV_POD_IP, ""))
+
+    def owner_reference(self) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Pod", "name": self.name, "uid": self.uid,
+                "controller": True, "blockOwnerDeletion": False}
+
+
+def api_client(kubeconfig: str | None = None) -> Any:
+    """An official-client ``ApiClient``: from ``kubeconfig`` / ``$KUBECONFIG`` when given,
+    else the pod's in-cluster ServiceAccount token."""
+    from kubernetes import config
+
+    path = kubeconfig or os.environ.get("KUBECONFIG")
+    if path:
+        return config.new_client_from_config(config_file=path)
+    from kubernetes import client
+
+    cfg = client.Configuration()
+    config.load_incluster_config(client_configuration=cfg)
+    return client.ApiClient(cfg)

@@ -1,0 +1,53 @@
+"""Prometheus metrics of the agent (own registry, so several agents in one test process and
+the operator's metrics never collide). Serve with :func:`serve`.
+
+- ``kvbridge_agent_handshakes_total{result}``: preflight/on-demand handshakes by result
+  (``succeeded``, ``incompatible``, ``timeout``, ``rejected``, ``error``, ``stale``);
+- ``kvbridge_agent_handshake_seconds``: handshake latency (side channel + validation + add);
+- ``kvbridge_agent_transfer_bytes_total`` / ``kvbridge_agent_transfer_descriptors_total``;
+- ``kvbridge_agent_transfer_seconds``: request latency, start to every part done;
+- ``kvbridge_agent_transfer_failures_total{cause}``: failures by :class:`FailureCause` value;
+- ``kvbridge_agent_peers``: peers currently loaded (handshake succeeded).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+HANDSHAKES = Counter(
+    "kvbridge_agent_handshakes", "Handshakes with assigned peers, by result", ["result"],
+    registry=REGISTRY)
+HANDSHAKE_SECONDS = Histogram(
+    "kvbridge_agent_handshake_seconds", "Handshake latency (fetch, validate, add remote)",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+    registry=REGISTRY)
+TRANSFER_BYTES = Counter(
+    "kvbridge_agent_transfer_bytes", "Bytes moved by completed transfer requests",
+    registry=REGISTRY)
+TRANSFER_DESCS = Counter(
+    "kvbridge_agent_transfer_descriptors", "Descriptors moved by completed transfer requests",
+    registry=REGISTRY)
+TRANSFER_SECONDS = Histogram(
+    "kvbridge_agent_transfer_seconds", "Transfer request latency (start to all parts done)",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30),
+    registry=REGISTRY)
+TRANSFER_FAILURES = Counter(
+    "kvbridge_agent_transfer_failures", "Failed transfer requests, by cause", ["cause"],
+    registry=REGISTRY)
+PEERS = Gauge("kvbridge_agent_peers", "Peers loaded after a successful handshake",
+              registry=REGISTRY)
+
+
+def serve(port: int, addr: str = "0.0.0.0") -> int:
+    """Serve ``/metrics`` on ``addr:port`` from a daemon thread; returns the bound port
+    (``port=0`` picks a free one)."""
+    server, _thread = start_http_server(port, addr=addr, registry=REGISTRY)
+    return int(server.server_port)
+
+
+def value(name: str, **labels: str) -> float:
+    """Current value of one sample (tests and the demo); 0.0 when absent."""
+    got = REGISTRY.get_sample_value(name, labels or None)
+    return float(got or 0.0)

@@ -1,0 +1,620 @@
+"""The agent orchestrator: register KV caches, serve the v11 side channel, preflight the
+peers the operator assigns, and run transfers against them (DESIGN flows 1, 4, 5, 6).
+
+:class:`AgentService` wires the halves of the agent together:
+
+- **register** (flow 1): a :class:`~.nixl.NixlAgent` named ``<engine>-tp<rank>-e<epoch>``
+  (a new name per start, so peers never confuse a restarted agent with its predecessor), a
+  :class:`~.nixl.LocalEngine` over the caller's ``CacheView`` objects, the v11
+  ``NixlAgentMetadata`` built from what was actually registered, and a
+  :class:`~.sidechannel.SideChannelServer` serving it;
+- **publish** (flow 2) is the caller's (see :mod:`.kube`): :meth:`endpoint_spec` is the
+  KVEndpoint spec for exactly this registration;
+- **preflight** (flow 4): :meth:`set_peers` takes the operator's assigned peers (from the
+  KVEndpoint status), drops peers that went away or changed epoch (removing their NIXL
+  remote agent), handshakes with every new one (side channel, hash, engine id, then
+  ``protocol.validate_remote``) and loads it into NIXL. Results are :class:`PeerReport`
+  items, which :mod:`.kube` writes to ``status.handshakes``;
+- **transfer** (flow 5): :meth:`pull` (decode, pull mode) reads from a preflighted peer and
+  never handshakes on the request path; :meth:`hold` / :meth:`completions` are the
+  producer side (completion notifications counted by a :class:`~.nixl.CompletionTracker`).
+
+Threads: NIXL is not assumed thread-safe, so every NIXL call happens under one lock. A
+progress thread polls the pull engine (heartbeats, asynchronous completions) or the
+producer's notifications every ``progress_interval_s``. Side-channel fetches run without
+the lock. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from . import metrics
+from .geometry import CacheView, RegionPlan, plan_regions
+from .protocol import (
+    NIXL_CONNECTOR_VERSION,
+    CompatibilityFactors,
+    EngineGeometry,
+    NixlAgentMetadata,
+    ProtocolError,
+    compatibility_hash,
+    make_payload,
+    validate_remote,
+)
+
+__all__ = [
+    "AgentService",
+    "AgentSettings",
+    "EngineInfo",
+    "PeerRef",
+    "PeerReport",
+    "StalePeerError",
+    "TransferResult",
+]
+
+log = logging.getLogger("kvbridge.agent")
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+class StalePeerError(RuntimeError):
+    """A handshake reached an agent of another epoch than the one assigned."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Engine facts the region plan does not carry (what vLLM knows at registration).
+
+    ``num_blocks`` is the main pool's kernel block count (default: the largest region
+    capacity); ``is_mla`` says regions are replicated latent caches (read whole).
+    """
+
+    engine_id: str
+    role: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    dp_index: int = 0
+    block_size: int = 16
+    ppl: int = 1
+    num_blocks: int | None = None
+    kv_cache_layout: str = "HND"
+    attn_backend_name: str = "FLASH_ATTN"
+    is_mla: bool = False
+    num_kv_heads: int | None = None
+    mode: str = "pull"
+    dcp_size: int = 1
+    pcp_size: int = 1
+    device_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in (PREFILL, DECODE):
+            raise ValueError(f"EngineInfo.role: expected 'prefill' or 'decode', got {self.role!r}")
+        if self.mode not in ("pull", "push"):
+            raise ValueError(f"EngineInfo.mode: expected 'pull' or 'push', got {self.mode!r}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(
+                f"EngineInfo.tp_rank: expected 0 <= tp_rank < tp_size ({self.tp_size}), "
+                f"got {self.tp_rank}")
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Runtime settings.
+
+    Attributes:
+        side_channel_host: address the side channel binds (``"0.0.0.0"`` in a pod).
+        side_channel_port: base port (``dp_index`` is added); 0 picks a free port.
+        advertise_host: host published in the KVEndpoint (the pod IP); default: bind host.
+        handshake_timeout_s: deadline of one side-channel handshake.
+        transfer_timeout_s: default deadline of one transfer request.
+        progress_interval_s: period of the progress thread.
+        mem_types: a ``nixl.MemTypeMap`` (default: production DRAM/VRAM).
+        epoch: this start's epoch (default: milliseconds since the Unix epoch).
+        enforce_hash: refuse peers with another compatibility hash (vLLM default).
+    """
+
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    advertise_host: str | None = None
+    handshake_timeout_s: float = 5.0
+    transfer_timeout_s: float = 30.0
+    progress_interval_s: float = 0.01
+    mem_types: Any = None
+    epoch: int | None = None
+    enforce_hash: bool = True
+
+
+@dataclass(frozen=True)
+class PeerRef:
+    """One assigned peer, as the operator writes it into ``status.peers``."""
+
+    name: str
+    engine_id: str
+    host: str
+    port: int
+    tp_rank: int
+    tp_size: int
+    epoch: int
+    role: str = ""
+
+    @classmethod
+    def from_status(cls, item: Mapping[str, Any]) -> PeerRef:
+        return cls(
+            name=str(item["name"]), engine_id=str(item["engineId"]),
+            host=str(item.get("host") or ""), port=int(item.get("port") or 0),
+            tp_rank=int(item.get("tpRank", 0)), tp_size=int(item.get("tpSize") or 1),
+            epoch=int(item.get("epoch", 0)), role=str(item.get("role") or ""))
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.engine_id, self.tp_rank)
+
+
+@dataclass(frozen=True)
+class PeerReport:
+    """Result of one handshake; :meth:`to_status` is a ``status.handshakes`` item."""
+
+    peer: str
+    engine_id: str
+    epoch: int
+    ok: bool
+    message: str = ""
+    reason: str = ""
+    time: str = ""
+    agent_name: str = ""
+
+    def to_status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "peer": self.peer, "engineId": self.engine_id, "epoch": self.epoch,
+            "state": "Succeeded" if self.ok else "Failed",
+            "time": self.time or _now(),
+        }
+        if self.message:
+            out["message"] = self.message[:4000]
+        return out
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """Outcome of :meth:`AgentService.pull`: ``ok`` or a typed ``cause`` with a message."""
+
+    request_id: str
+    ok: bool
+    nbytes: int = 0
+    descs: int = 0
+    parts: int = 0
+    seconds: float = 0.0
+    cause: str = ""
+    message: str = ""
+
+    @property
+    def throughput_gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Peer:
+    ref: PeerRef
+    agent_name: str
+    loaded_at: float = field(default_factory=time.monotonic)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class AgentService:
+    """One engine rank's agent; see the module docstring.
+
+    Args:
+        views: ``CacheView`` objects (or a ``RegionPlan``) of the KV caches to register.
+        engine: see :class:`EngineInfo`.
+        compat: the compatibility factors (hashed here) or a precomputed 64-hex hash.
+        settings: see :class:`AgentSettings`.
+        nixl: a loaded NIXL module (tests), default: whatever is installed.
+
+    Use as a context manager or call :meth:`start` / :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        views: Iterable[CacheView] | RegionPlan,
+        engine: EngineInfo,
+        compat: CompatibilityFactors | Mapping[str, Any] | str,
+        settings: AgentSettings | None = None,
+        *,
+        nixl: Any = None,
+    ) -> None:
+        self.plan = views if isinstance(views, RegionPlan) else plan_regions(list(views))
+        self.engine = engine
+        self.settings = settings or AgentSettings()
+        self.hash = compat if isinstance(compat, str) else compatibility_hash(compat)
+        self.epoch = int(self.settings.epoch if self.settings.epoch is not None
+                         else time.time() * 1000)
+        self.agent_name = f"{engine.engine_id}-tp{engine.tp_rank}-e{self.epoch}"
+        self._nixl = nixl
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._reports: dict[str, PeerReport] = {}
+        self._results: dict[str, Any] = {}
+        self._started: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._client: Any = None
+        self.agent: Any = None
+        self.local: Any = None
+        self.pull_engine: Any = None
+        self.tracker: Any = None
+        self.server: Any = None
+        self.metadata: NixlAgentMetadata | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> AgentService:
+        from .nixl import (
+            PRODUCTION_MEM_TYPES,
+            AgentConfig,
+            CompletionTracker,
+            EngineFacts,
+            LocalEngine,
+            NixlAgent,
+            PullEngine,
+        )
+        from .sidechannel import SideChannelClient, SideChannelServer
+
+        e, s = self.engine, self.settings
+        try:
+            self.agent = NixlAgent(
+                self.agent_name, AgentConfig(mem_types=s.mem_types or PRODUCTION_MEM_TYPES),
+                nixl=self._nixl)
+            self.local = LocalEngine(self.agent, self.plan, EngineFacts(
+                e.engine_id, tp_rank=e.tp_rank, tp_size=e.tp_size, block_size=e.block_size,
+                ppl=e.ppl, num_blocks=e.num_blocks, device_id=e.device_id))
+            self.metadata = self._build_metadata()
+            if e.role == DECODE and e.mode == "pull":
+                self.pull_engine = PullEngine(self.local, timeout_s=s.transfer_timeout_s)
+            else:
+                self.tracker = CompletionTracker()
+            self.server = SideChannelServer(
+                {(0, e.tp_rank): make_payload(self.metadata, self.hash)},
+                host=s.side_channel_host, port=s.side_channel_port or 0,
+                dp_index=e.dp_index if s.side_channel_port else 0)
+            self.server.start()
+            self._client = SideChannelClient()
+            self._thread = threading.Thread(
+                target=self._progress_loop, name=f"kvbridge-progress-{e.tp_rank}", daemon=True)
+            self._thread.start()
+        except BaseException:
+            self.close()
+            raise
+        log.info("agent %s started: %d regions, side channel %s:%d", self.agent_name,
+                 len(self.plan.regions), self.advertise_host, self.port)
+        return self
+
+    def __enter__(self) -> AgentService:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the progress thread and the side channel, release NIXL (idempotent)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                self.server.stop()
+            self.server = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        with self._lock:
+            if self.pull_engine is not None:
+                with contextlib.suppress(Exception):
+                    self.pull_engine.close()
+                self.pull_engine = None
+            if self.agent is not None:
+                with contextlib.suppress(Exception):
+                    self.agent.close()
+                self.agent = None
+            self._peers.clear()
+            metrics.PEERS.set(0)
+
+    # -- identity ----------------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        return int(self.server.port) if self.server is not None else 0
+
+    @property
+    def advertise_host(self) -> str:
+        return self.settings.advertise_host or self.settings.side_channel_host
+
+    @property
+    def geometry(self) -> EngineGeometry:
+        """This rank's geometry as ``validate_remote`` sees it (from the registered plan)."""
+        assert self.metadata is not None, "start() first"
+        e = self.engine
+        return EngineGeometry.from_metadata(
+            self.metadata, tp_size=e.tp_size, is_mla=e.is_mla, num_kv_heads=e.num_kv_heads,
+            tp_rank=e.tp_rank, compatibility_hash=self.hash, transfer_mode=e.mode)
+
+    def _build_metadata(self) -> NixlAgentMetadata:
+        d = self.local.describe()
+        e = self.engine
+        return NixlAgentMetadata(
+            engine_id=e.engine_id, agent_metadata=d.agent_metadata,
+            kv_caches_base_addr=list(d.base_addrs), device_id=e.device_id,
+            num_blocks=d.num_blocks, block_lens=list(d.block_lens),
+            block_strides=list(d.block_strides), kv_cache_layout=e.kv_cache_layout,
+            block_size=e.block_size, ssm_sizes=(0, 0), attn_backend_name=e.attn_backend_name,
+            physical_blocks_per_logical_kv_block=e.ppl,
+            region_num_blocks=list(d.region_num_blocks),
+            region_group_ids=list(d.region_group_ids),
+            region_names=list(d.region_names or ()),
+            region_mem_types=list(d.region_mem_types),
+            dcp_size=e.dcp_size, pcp_size=e.pcp_size)
+
+    def endpoint_spec(self, *, transfer: str, pod_name: str, pod_uid: str = "",
+                      node_name: str = "") -> dict[str, Any]:
+        """The KVEndpoint ``spec`` for this registration (flow 2)."""
+        assert self.metadata is not None, "start() first"
+        e, m = self.engine, self.metadata
+        regions = [
+            {"name": name, "numBlocks": int(nb), "groupId": int(g), "memType": mt,
+             "blockLen": int(bl), "blockStride": int(bs)}
+            for name, nb, g, mt, bl, bs in zip(
+                m.region_names or (), m.region_num_blocks or (), m.region_group_ids or (),
+                m.region_mem_types or (), m.block_lens, m.block_strides, strict=True)
+        ]
+        geometry: dict[str, Any] = {
+            "blockSize": e.block_size, "physicalBlocksPerLogical": e.ppl,
+            "numBlocks": int(m.num_blocks), "kvCacheLayout": e.kv_cache_layout,
+            "attentionBackend": e.attn_backend_name, "isMla": e.is_mla,
+            "dcpSize": e.dcp_size, "pcpSize": e.pcp_size, "regions": regions,
+        }
+        if e.num_kv_heads is not None:
+            geometry["numKvHeads"] = e.num_kv_heads
+        spec: dict[str, Any] = {
+            "transferName": transfer, "role": e.role, "engineId": e.engine_id,
+            "podName": pod_name, "sideChannel": {"host": self.advertise_host, "port": self.port},
+            "tpRank": e.tp_rank, "tpSize": e.tp_size, "dpIndex": e.dp_index,
+            "protocolVersion": NIXL_CONNECTOR_VERSION, "compatibilityHash": self.hash,
+            "mode": e.mode, "epoch": self.epoch, "geometry": geometry,
+        }
+        if pod_uid:
+            spec["podUID"] = pod_uid
+        if node_name:
+            spec["nodeName"] = node_name
+        return spec
+
+    # -- peers (flow 4 and 6) ----------------------------------------------------------------
+    def peers(self) -> dict[str, PeerRef]:
+        """Loaded peers by KVEndpoint name."""
+        with self._lock:
+            return {p.ref.name: p.ref for p in self._peers.values()}
+
+    def reports(self) -> list[PeerReport]:
+        """Latest handshake report per assigned peer (what ``status.handshakes`` shows)."""
+        with self._lock:
+            return sorted(self._reports.values(), key=lambda r: r.peer)
+
+    def set_peers(self, assigned: Iterable[PeerRef | Mapping[str, Any]]) -> list[PeerReport]:
+        """Make the loaded peers equal ``assigned``: drop the others (and peers whose epoch
+        changed), handshake with the new ones. Returns the reports of all assigned peers.
+        A peer already loaded at the same epoch is not handshaken again; a failed one is
+        retried on every call."""
+        refs = [a if isinstance(a, PeerRef) else PeerRef.from_status(a) for a in assigned]
+        want = {r.key: r for r in refs}
+        with self._lock:
+            for key, peer in list(self._peers.items()):
+                new = want.get(key)
+                if new is None or new.epoch != peer.ref.epoch or new.name != peer.ref.name:
+                    self._drop(key, "went away" if new is None else
+                               f"epoch {peer.ref.epoch} -> {new.epoch}")
+            todo = [r for r in refs if r.key not in self._peers]
+            names = {r.name for r in refs}
+            for gone in set(self._reports) - names:
+                del self._reports[gone]
+        for ref in todo:
+            report = self.handshake(ref)
+            with self._lock:
+                self._reports[ref.name] = report
+        return self.reports()
+
+    def _drop(self, key: tuple[str, int], why: str) -> None:
+        peer = self._peers.pop(key)
+        log.info("agent %s: dropping peer %s (%s, NIXL agent %s): %s", self.agent_name,
+                 peer.ref.name, peer.ref.engine_id, peer.agent_name, why)
+        try:
+            if self.pull_engine is not None:
+                self.pull_engine.remove_remote(peer.ref.engine_id, peer.ref.tp_rank)
+            elif self.agent is not None:
+                self.agent.remove_remote(peer.agent_name)
+        except Exception as exc:  # the peer may be dead; removal is best effort
+            log.warning("removing NIXL remote %s failed: %s", peer.agent_name, exc)
+        metrics.PEERS.set(len(self._peers))
+
+    def handshake(self, ref: PeerRef) -> PeerReport:
+        """Fetch ``ref``'s v11 metadata, validate it and load it into NIXL. Never raises for
+        a peer problem: the report says what went wrong (and metrics count it)."""
+        from .nixl import RemoteEngine
+        from .sidechannel import HandshakeTimeoutError, RemoteRejectedError, SideChannelError
+
+        started = time.perf_counter()
+        result, message, agent_name = "error", "", ""
+        try:
+            got = self._client.fetch(
+                ref.host, ref.port, [(0, ref.tp_rank)],
+                timeout_s=self.settings.handshake_timeout_s, local_hash=self.hash,
+                enforce_handshake_compat=self.settings.enforce_hash,
+                expected_engine_id=ref.engine_id)
+            meta = got.metadata(0, ref.tp_rank)
+            verdict = self._validate(meta, ref)
+            if not verdict.ok:
+                result, message = "incompatible", verdict.summary(limit=5)
+            else:
+                with self._lock:
+                    if self.agent is None:
+                        raise RuntimeError("agent closed")
+                    if self.pull_engine is not None:
+                        desc = RemoteEngine.from_metadata(
+                            meta, tp_rank=ref.tp_rank, tp_size=ref.tp_size,
+                            local_region_group_ids=self.plan.group_ids,
+                            local_mem_type=self.plan.mem_types[0])
+                        agent_name = self.pull_engine.add_remote(desc)
+                    else:
+                        if ref.key in self._peers:
+                            self._drop(ref.key, "re-handshake")
+                        agent_name = self.agent.add_remote(bytes(meta.agent_metadata))
+                    if not agent_name.endswith(f"-e{ref.epoch}"):
+                        self._unload(ref, agent_name)
+                        raise StalePeerError(
+                            f"side channel {ref.host}:{ref.port} answered with NIXL agent "
+                            f"{agent_name!r}, not the assigned epoch {ref.epoch}")
+                    self._peers[ref.key] = _Peer(ref, agent_name)
+                    metrics.PEERS.set(len(self._peers))
+                result = "succeeded"
+        except HandshakeTimeoutError as exc:
+            result, message = "timeout", str(exc)
+        except RemoteRejectedError as exc:
+            result, message = "rejected", str(exc)
+        except StalePeerError as exc:
+            result, message = "stale", str(exc)
+        except ProtocolError as exc:
+            result, message = "incompatible", f"{type(exc).__name__}: {exc}"
+        except (SideChannelError, Exception) as exc:
+            result, message = "error", f"{type(exc).__name__}: {exc}"
+        elapsed = time.perf_counter() - started
+        metrics.HANDSHAKES.labels(result).inc()
+        metrics.HANDSHAKE_SECONDS.observe(elapsed)
+        ok = result == "succeeded"
+        (log.info if ok else log.warning)(
+            "agent %s: handshake with %s (%s rank %d epoch %d at %s:%d): %s%s",
+            self.agent_name, ref.name, ref.engine_id, ref.tp_rank, ref.epoch, ref.host,
+            ref.port, result, f": {message}" if message else "")
+        return PeerReport(ref.name, ref.engine_id, ref.epoch, ok, message, result, _now(),
+                          agent_name)
+
+    def _unload(self, ref: PeerRef, agent_name: str) -> None:
+        with contextlib.suppress(Exception):
+            if self.pull_engine is not None:
+                self.pull_engine.remove_remote(ref.engine_id, ref.tp_rank)
+            else:
+                self.agent.remove_remote(agent_name)
+
+    def _validate(self, meta: NixlAgentMetadata, ref: PeerRef) -> Any:
+        e = self.engine
+        remote = EngineGeometry.from_metadata(
+            meta, tp_size=ref.tp_size, is_mla=e.is_mla, num_kv_heads=e.num_kv_heads,
+            tp_rank=ref.tp_rank, compatibility_hash=self.hash, transfer_mode=e.mode)
+        if e.role == DECODE:   # local = D, remote = P (the orientation of validate_remote)
+            return validate_remote(self.geometry, remote, mode=e.mode,
+                                   expected_engine_id=ref.engine_id,
+                                   expected_tp_size=ref.tp_size)
+        return validate_remote(replace(remote, engine_id=remote.engine_id), self.geometry,
+                               mode=e.mode)
+
+    # -- transfers (flow 5) ------------------------------------------------------------------
+    def pull(
+        self,
+        request_id: str,
+        remote_engine_id: str,
+        local_block_ids: Sequence[Sequence[int]],
+        remote_block_ids: Sequence[Sequence[int]],
+        *,
+        remote_request_id: str | None = None,
+        expected_epoch: int | None = None,
+        timeout_s: float | None = None,
+    ) -> TransferResult:
+        """Read blocks from a preflighted prefill engine; blocks until done or the deadline.
+
+        Never handshakes: a peer that is not loaded fails with cause ``unknown_remote``; with
+        ``expected_epoch`` a peer loaded at another epoch fails with cause ``stale_peer``
+        (nothing is posted). Failures never send the completion notification.
+        """
+        from .nixl import PullRequest, TransferFailure
+
+        if self.pull_engine is None:
+            raise RuntimeError(f"agent {self.agent_name}: pull needs a decode agent in pull mode")
+        timeout = self.settings.transfer_timeout_s if timeout_s is None else float(timeout_s)
+        with self._lock:
+            ranks = [p for k, p in self._peers.items() if k[0] == remote_engine_id]
+            if expected_epoch is not None and any(p.ref.epoch != expected_epoch for p in ranks):
+                return self._failed(request_id, "stale_peer",
+                                    f"remote {remote_engine_id!r} is loaded at epoch "
+                                    f"{sorted({p.ref.epoch for p in ranks})}, request expects "
+                                    f"{expected_epoch}")
+            started = time.perf_counter()
+            self.pull_engine.start(PullRequest(
+                request_id=request_id, remote_engine_id=remote_engine_id,
+                local_block_ids=local_block_ids, remote_block_ids=remote_block_ids,
+                remote_request_id=remote_request_id, timeout_s=timeout))
+            self._started[request_id] = started
+            deadline = time.monotonic() + timeout + 5.0   # the engine's own deadline is first
+            while request_id not in self._results:
+                self._poll_locked()
+                if request_id in self._results:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return self._failed(request_id, "timeout", "no result before the deadline")
+                self._cond.wait(timeout=min(left, 0.002))
+            res = self._results.pop(request_id)
+            seconds = time.perf_counter() - self._started.pop(request_id, started)
+        if isinstance(res, TransferFailure):
+            return self._failed(request_id, res.cause.value, res.message)
+        metrics.TRANSFER_BYTES.inc(res.nbytes)
+        metrics.TRANSFER_DESCS.inc(res.descs)
+        metrics.TRANSFER_SECONDS.observe(seconds)
+        return TransferResult(request_id, True, res.nbytes, res.descs, res.parts, seconds)
+
+    @staticmethod
+    def _failed(request_id: str, cause: str, message: str) -> TransferResult:
+        metrics.TRANSFER_FAILURES.labels(cause).inc()
+        log.warning("transfer %s failed (%s): %s", request_id, cause, message)
+        return TransferResult(request_id, False, cause=cause, message=message)
+
+    def hold(self, request_ids: Iterable[str], lease_s: float | None = None) -> None:
+        """Producer side: hold blocks of these requests until consumers notify completion."""
+        with self._lock:
+            for rid in request_ids:
+                self.tracker.register(rid, lease_s=lease_s)
+
+    def completions(self) -> dict[str, list[str]]:
+        """Producer side: requests freed since the last call, by reason."""
+        with self._lock:
+            if self.tracker is None:
+                return {"finished": [], "expired": []}
+            self._poll_locked()
+            return {"finished": sorted(self.tracker.take_finished()),
+                    "expired": sorted(self.tracker.take_expired())}
+
+    # -- progress ----------------------------------------------------------------------------
+    def _poll_locked(self) -> None:
+        if self.agent is None:
+            return
+        if self.pull_engine is not None:
+            res = self.pull_engine.poll()
+            for r in (*res.finished, *res.failed):
+                self._results[r.request_id] = r
+            if res.finished or res.failed:
+                self._cond.notify_all()
+        elif self.tracker is not None:
+            self.tracker.poll(self.agent)
+
+    def _progress_loop(self) -> None:
+        interval = self.settings.progress_interval_s
+        while not self._stop.wait(interval):
+            try:
+                with self._lock:
+                    self._poll_locked()
+            except Exception as exc:   # keep serving; a transfer reports its own failure
+                log.warning("agent %s: progress poll failed: %s", self.agent_name, exc)
