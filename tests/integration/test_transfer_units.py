@@ -22,7 +22,7 @@ from kvbridge_agent.nixl import (
     parse_notification,
     plan_read_ids,
 )
-from kvbridge_agent.nixl.coalesce import coalesce_rows
+from kvbridge_agent.nixl._coalesce import coalesce_rows
 
 
 class Clock:

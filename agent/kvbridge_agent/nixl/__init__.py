@@ -3,30 +3,28 @@
 Reading order (one job per module):
 
 - :mod:`._loader`       import the installed NIXL build (``nixl``, ``nixl_cu12``, ``nixl_cu13``)
-- :mod:`.memtypes`      logical memory kind -> NIXL memory type (production vs CPU tests)
-- :mod:`.agent`         :class:`NixlAgent`: one NIXL agent (progress-thread delay patched),
+- :mod:`._memtypes`      logical memory kind -> NIXL memory type (production vs CPU tests)
+- :mod:`._agent`         :class:`NixlAgent`: one NIXL agent (progress-thread delay patched),
                         registrations, prepared lists, peers, transfers, notifications
-- :mod:`.local`         :class:`LocalEngine`: this engine's registered plan + local lists
-- :mod:`.remote`        :class:`RemoteEngine`: a remote rank's geometry (from v11 metadata)
-- :mod:`.peers`         remote agents and the lists prepared against them (stale drop)
-- :mod:`.readplan`      pure id planning of a pull (group-matched / region-mapped)
-- :mod:`.coalesce`      merging of descriptors adjacent on both sides
-- :mod:`.pull`          :class:`PullEngine` (decode side, READ, deferred notification)
-- :mod:`.push`          :class:`PushEngine` (prefill side, WRITE + notification)
-- :mod:`.producer`      :class:`CompletionTracker`: notification counting and leases
-- :mod:`.heartbeat`     :class:`HeartbeatSender`: consumer-side lease heartbeats
-- :mod:`.notifications` the ``"req:n"`` / ``"HB:..."`` wire formats
-- :mod:`.errors`        :class:`FailureCause`, :class:`TransferFailure`, exceptions
+- :mod:`._local`         :class:`LocalEngine`: this engine's registered plan + local lists
+- :mod:`._remote`        :class:`RemoteEngine`: a remote rank's geometry (from v11 metadata)
+- :mod:`._peers`         remote agents and the lists prepared against them (stale drop)
+- :mod:`._readplan`      pure id planning of a pull (group-matched / region-mapped)
+- :mod:`._coalesce`      merging of descriptors adjacent on both sides
+- :mod:`._pull`          :class:`PullEngine` (decode side, READ, deferred notification)
+- :mod:`._push`          :class:`PushEngine` (prefill side, WRITE + notification)
+- :mod:`._producer`      :class:`CompletionTracker`: notification counting and leases
+- :mod:`._heartbeat`     :class:`HeartbeatSender`: consumer-side lease heartbeats
+- :mod:`._notifications` the ``"req:n"`` / ``"HB:..."`` wire formats
+- :mod:`._errors`        :class:`FailureCause`, :class:`TransferFailure`, exceptions
 
-Coalescing decision: see ``DEFAULT_COALESCE`` in :mod:`.pull` and the numbers below.
+Coalescing decision: see ``DEFAULT_COALESCE`` in :mod:`._pull` and the numbers below.
 
 COALESCING_NOTES
 """
 
-from ._inflight import RequestState, TransferDone
-from ._loader import NixlUnavailableError, load_nixl
-from .agent import LOCAL_AGENT, AgentConfig, DList, NixlAgent, XferHandle, XferState
-from .errors import (
+from ._agent import LOCAL_AGENT, AgentConfig, DList, NixlAgent, XferHandle, XferState
+from ._errors import (
     DataPlaneError,
     FailureCause,
     NixlCallError,
@@ -34,10 +32,12 @@ from .errors import (
     TransferFailure,
     UnsupportedTransferError,
 )
-from .heartbeat import HeartbeatSender
-from .local import EngineFacts, LocalEngine, LocalLists
-from .memtypes import CPU_TEST_MEM_TYPES, PRODUCTION_MEM_TYPES, MemTypeMap
-from .notifications import (
+from ._heartbeat import HeartbeatSender
+from ._inflight import RequestState, TransferDone
+from ._loader import NixlUnavailableError, load_nixl
+from ._local import EngineFacts, LocalEngine, LocalLists
+from ._memtypes import CPU_TEST_MEM_TYPES, PRODUCTION_MEM_TYPES, MemTypeMap
+from ._notifications import (
     Completion,
     Heartbeat,
     NotificationError,
@@ -45,11 +45,11 @@ from .notifications import (
     heartbeat_message,
     parse_notification,
 )
-from .producer import DEFAULT_LEASE_S, CompletionTracker, ReleaseReason
-from .pull import DEFAULT_COALESCE, PollResult, PullEngine, PullRequest
-from .push import PushEngine, PushRequest
-from .readplan import ReadIds, plan_read_ids
-from .remote import RemoteEngine
+from ._producer import DEFAULT_LEASE_S, CompletionTracker, ReleaseReason
+from ._pull import DEFAULT_COALESCE, PollResult, PullEngine, PullRequest
+from ._push import PushEngine, PushRequest
+from ._readplan import ReadIds, plan_read_ids
+from ._remote import RemoteEngine
 
 __all__ = [
     "CPU_TEST_MEM_TYPES",

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .agent import NixlAgent, XferHandle, XferState
-from .errors import FailureCause, NixlCallError, TransferFailure, classify
+from ._agent import NixlAgent, XferHandle, XferState
+from ._errors import FailureCause, NixlCallError, TransferFailure, classify
 
 log = logging.getLogger(__name__)
 

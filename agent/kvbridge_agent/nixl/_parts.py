@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .agent import DList, NixlAgent, XferHandle
-from .coalesce import coalesce_rows
+from ._agent import DList, NixlAgent, XferHandle
+from ._coalesce import coalesce_rows
 
 __all__ = ["make_part"]
 

@@ -2,7 +2,7 @@
 
 Flow of :meth:`PullEngine.start` for one request: choose the group-matched or
 region-mapped path, expand ppl, align prefixes, compute descriptor ids
-(:mod:`.readplan`); per source rank, split by (local kind, remote kind) with
+(:mod:`._readplan`); per source rank, split by (local kind, remote kind) with
 ``geometry.partition_by_mem_type``; post one READ per part **without** a notification; queue
 ``"{remote_request_id}:{consumers}"`` for each notified rank. :meth:`poll` /
 :meth:`wait` drive the parts; the notifications go out only once every part of the request
@@ -31,21 +31,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import geometry as geo
-from ._inflight import Result, TransferDone, Transfers
-from ._parts import make_part
-from .errors import (
+from ._errors import (
     FailureCause,
     RemoteNotFoundError,
     TransferFailure,
     UnsupportedTransferError,
 )
-from .heartbeat import HeartbeatSender
-from .local import LocalEngine
-from .notifications import completion_message
-from .peers import RemotePeer, RemotePeers
-from .producer import DEFAULT_LEASE_S
-from .readplan import plan_read_ids
-from .remote import RemoteEngine
+from ._heartbeat import HeartbeatSender
+from ._inflight import Result, TransferDone, Transfers
+from ._local import LocalEngine
+from ._notifications import completion_message
+from ._parts import make_part
+from ._peers import RemotePeer, RemotePeers
+from ._producer import DEFAULT_LEASE_S
+from ._readplan import plan_read_ids
+from ._remote import RemoteEngine
 
 __all__ = ["DEFAULT_COALESCE", "PollResult", "PullEngine", "PullRequest"]
 

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from .. import geometry as geo
-from .agent import DList, NixlAgent
-from .remote import RemoteEngine
+from ._agent import DList, NixlAgent
+from ._remote import RemoteEngine
 
 __all__ = ["EngineFacts", "LocalEngine", "LocalLists"]
 

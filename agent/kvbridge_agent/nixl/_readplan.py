@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import geometry as geo
-from .errors import UnsupportedTransferError
-from .remote import RemoteEngine
+from ._errors import UnsupportedTransferError
+from ._remote import RemoteEngine
 
 __all__ = ["ReadIds", "block_size_ratio", "plan_read_ids"]
 

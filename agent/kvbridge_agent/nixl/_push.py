@@ -4,7 +4,7 @@ One WRITE per target rank, with the completion notification ``"{request_id}:{con
 attached, so NIXL delivers it after the bytes are in place. Rejected like vLLM's
 ``NixlPushConnector`` (spec §5, §10.11): mixed-memory caches on either side, and producer
 and consumer cache-group layouts that differ. Failure semantics, polling and threading are
-those of :mod:`.pull` (a failed WRITE delivers no notification).
+those of :mod:`._pull` (a failed WRITE delivers no notification).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import geometry as geo
+from ._errors import FailureCause, RemoteNotFoundError, TransferFailure, UnsupportedTransferError
 from ._inflight import Result, TransferDone, Transfers
+from ._local import LocalEngine
+from ._notifications import completion_message
 from ._parts import make_part
-from .errors import FailureCause, RemoteNotFoundError, TransferFailure, UnsupportedTransferError
-from .local import LocalEngine
-from .notifications import completion_message
-from .peers import RemotePeers
-from .pull import DEFAULT_COALESCE, PollResult
-from .remote import RemoteEngine
+from ._peers import RemotePeers
+from ._pull import DEFAULT_COALESCE, PollResult
+from ._remote import RemoteEngine
 
 __all__ = ["PushEngine", "PushRequest"]
 

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from .. import geometry as geo
-from .agent import DList, NixlAgent
-from .errors import NixlCallError, RemoteNotFoundError
-from .remote import RemoteEngine
+from ._agent import DList, NixlAgent
+from ._errors import NixlCallError, RemoteNotFoundError
+from ._remote import RemoteEngine
 
 __all__ = ["RemotePeer", "RemotePeers"]
 

@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from ._errors import DataPlaneError, FailureCause, NixlCallError, classify
 from ._loader import NixlModule, load_nixl
-from .errors import DataPlaneError, FailureCause, NixlCallError, classify
-from .memtypes import PRODUCTION_MEM_TYPES, MemTypeMap
+from ._memtypes import PRODUCTION_MEM_TYPES, MemTypeMap
 
 __all__ = ["LOCAL_AGENT", "AgentConfig", "DList", "NixlAgent", "XferHandle", "XferState"]
 

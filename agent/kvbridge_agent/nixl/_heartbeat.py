@@ -12,8 +12,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from .notifications import heartbeat_message
-from .producer import DEFAULT_LEASE_S
+from ._notifications import heartbeat_message
+from ._producer import DEFAULT_LEASE_S
 
 __all__ = ["HeartbeatSender"]
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .notifications import Completion, Heartbeat, NotificationError, parse_notification
+from ._notifications import Completion, Heartbeat, NotificationError, parse_notification
 
 __all__ = ["DEFAULT_LEASE_S", "CompletionTracker", "ReleaseReason"]
 
