@@ -306,3 +306,36 @@ def test_inflight_deadline_fails_releases_and_holds_refused_handles():
     (res,) = t.poll()
     assert res.cause is nx.FailureCause.TIMEOUT and "still in flight" in res.message
     assert agent.notifs == []                   # a failed request never notifies
+
+
+def test_agent_construction_patches_the_progress_thread_delay():
+    import types
+
+    from kvbridge_agent.nixl._loader import NixlModule
+
+    seen = []
+
+    def real_constructor(name, cfg):
+        seen.append((name, cfg.pthrDelay))
+        return object()
+
+    bindings = types.SimpleNamespace(nixlAgent=real_constructor)
+
+    class Api:
+        nixlBind = bindings
+
+        @staticmethod
+        def nixl_agent_config(**kw):
+            return kw
+
+        @staticmethod
+        def nixl_agent(name, conf):
+            cfg = types.SimpleNamespace(pthrDelay=0)   # what the stock wrapper hard-codes
+            bindings.nixlAgent(name, cfg)
+            return object()
+
+    fake = NixlModule(package="fake", api=Api, bindings=bindings)
+    nx.NixlAgent("a", nixl=fake)
+    nx.NixlAgent("b", nx.AgentConfig(progress_delay_us=250), nixl=fake)
+    assert seen == [("a", 100), ("b", 250)]
+    assert bindings.nixlAgent is real_constructor          # restored after construction
