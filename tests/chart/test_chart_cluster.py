@@ -141,7 +141,10 @@ def test_namespaced_install(kube: Kube) -> None:
 
 
 def _can_i(kube: Kube, sa: str, verb: str, resource: str, namespace: str) -> bool:
-    proc = kube.kubectl("auth", "can-i", verb, resource, "-n", namespace,
+    # "kind/x" would mean the object named x: subresources go in --subresource.
+    resource, _, sub = resource.partition("/")
+    extra = [f"--subresource={sub}"] if sub else []
+    proc = kube.kubectl("auth", "can-i", verb, resource, *extra, "-n", namespace,
                         f"--as=system:serviceaccount:{NS}:{sa}", check=False)
     return proc.stdout.strip() == "yes"
 
@@ -158,6 +161,9 @@ def test_service_account_permissions(kube: Kube) -> None:
             ("kvbridge-agent", "update", "kvendpoints.kvbridge.io", NS),
             ("kvbridge-agent", "watch", "kvtransfers.kvbridge.io", NS),
             ("kvbridge", "patch", "kvtransfers.kvbridge.io/status", "other"),
+            ("kvbridge", "patch", "kvendpoints.kvbridge.io/status", "other"),
+            ("kvbridge-agent", "update", "kvendpoints.kvbridge.io/status", NS),
+            ("kvbridge-agent", "get", "kvendpoints.kvbridge.io/status", NS),
             ("kvbridge", "watch", "kvendpoints.kvbridge.io", "other"),
             ("kvbridge", "list", "nodes", ""),
             ("kvbridge", "create", "events", "other"),
@@ -168,6 +174,8 @@ def test_service_account_permissions(kube: Kube) -> None:
             ("kvbridge-agent", "list", "kvendpoints.kvbridge.io", NS),
             ("kvbridge-agent", "create", "kvendpoints.kvbridge.io", "other"),
             ("kvbridge-agent", "update", "kvtransfers.kvbridge.io", NS),
+            ("kvbridge-agent", "patch", "kvtransfers.kvbridge.io/status", NS),
+            ("kvbridge", "update", "kvendpoints.kvbridge.io/status", "other"),
             ("kvbridge-agent", "get", "pods", NS),
             ("kvbridge-agent", "get", "secrets", NS),
             ("kvbridge", "get", "secrets", NS),
