@@ -8,25 +8,28 @@ import numpy as np
 
 from ._errors import GeometryError
 
-_EMPTY = np.empty(0, dtype=np.int64)
-_EMPTY.flags.writeable = False
-
 
 def empty_ids() -> np.ndarray:
     return np.empty(0, dtype=np.int64)
 
 
-def as_ids(entry, where: str) -> np.ndarray:
+_I64 = np.dtype(np.int64)
+
+
+def as_ids(entry, where: str, index: int | None = None) -> np.ndarray:
     """One block-id list as a 1-D int64 array (no copy when it already is one)."""
+    if type(entry) is np.ndarray and entry.dtype is _I64 and entry.ndim == 1:
+        return entry
     a = entry if isinstance(entry, np.ndarray) else np.asarray(entry)
     if a.dtype == np.int64 and a.ndim == 1:
         return a
     if a.size == 0:
         return empty_ids()
+    label = where if index is None else f"{where}[{index}]"
     if a.ndim != 1:
-        raise GeometryError(f"{where}: expected a flat list of block ids, got shape {a.shape}")
+        raise GeometryError(f"{label}: expected a flat list of block ids, got shape {a.shape}")
     if a.dtype.kind not in "iu" or a.dtype == np.bool_:
-        raise GeometryError(f"{where}: block ids must be integers, got dtype {a.dtype}")
+        raise GeometryError(f"{label}: block ids must be integers, got dtype {a.dtype}")
     return a.astype(np.int64)
 
 
@@ -37,7 +40,7 @@ def as_id_lists(block_ids, where: str) -> list[np.ndarray]:
             f"{where}: expected one block-id list per group/region, got a flat array; "
             "wrap it in a list for a single group"
         )
-    return [as_ids(e, f"{where}[{i}]") for i, e in enumerate(block_ids)]
+    return [as_ids(e, where, i) for i, e in enumerate(block_ids)]
 
 
 def region_label(r: int, names: Sequence[str] | None) -> str:
