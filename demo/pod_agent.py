@@ -1,0 +1,214 @@
+"""A simulated pod's agent process: owns real KV memory, runs a real AgentService (NIXL +
+side channel) and publishes/follows its KVEndpoint as the pod's ServiceAccount.
+
+Started by the demo and the e2e tests (one process per simulated pod, possibly inside a
+network namespace). Control is JSON lines: commands on stdin, one reply line per command on
+stdout (logs go to stderr). The first stdout line is ``{"event": "ready", ...}``.
+
+Commands: ``status``; ``pull`` (decode: read blocks, verify them byte for byte against the
+producer's seeded pattern); ``hold`` / ``completions`` (prefill); ``exit``.
+
+Memory presets (``--preset``):
+- ``grouped``: 4 MLA regions in 2 transfer groups, all VRAM (CPU-test map: DRAM in NIXL);
+- ``mixed``: the same regions, the last one a DRAM host pool (decode side of a mixed pull);
+- ``bad-block``: like ``grouped`` with half the block length (an incompatible decode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
+
+REPO = Path(__file__).resolve().parents[1]
+for sub in ("agent",):
+    if str(REPO / sub) not in sys.path:
+        sys.path.insert(0, str(REPO / sub))
+
+import numpy as np  # noqa: E402
+
+NUM_BLOCKS = 64
+BLOCK_LEN = 16384
+REGIONS = [("model.layers.0.self_attn.attn", 0), ("model.layers.1.self_attn.attn", 0),
+           ("model.layers.2.self_attn.attn", 1), ("model.layers.3.self_attn.attn", 1)]
+COMPAT = {
+    "vllm_version": "0.11.0", "model": "deepseek-ai/DeepSeek-V2-Lite", "dtype": "torch.bfloat16",
+    "num_kv_heads": 1, "head_size": 576, "num_hidden_layers": 4,
+    "attn_backend_name": "FLASHMLA", "cache_dtype": "auto", "is_hma_enabled": True,
+    "speculative_config": None, "transfer_mode": "pull", "nixl_connector_version": 11,
+}
+
+
+def block_len(preset: str) -> int:
+    return BLOCK_LEN // 2 if preset == "bad-block" else BLOCK_LEN
+
+
+def pattern(seed: int, region: int, nbytes: int) -> np.ndarray:
+    return np.random.default_rng([seed, region]).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def build_views(preset: str, seed: int | None) -> tuple[list[np.ndarray], list[Any]]:
+    from kvbridge_agent.geometry import CacheView
+
+    blen = block_len(preset)
+    bufs, views = [], []
+    for i, (name, group) in enumerate(REGIONS):
+        buf = pattern(seed, i, NUM_BLOCKS * blen) if seed is not None else np.zeros(
+            NUM_BLOCKS * blen, np.uint8)
+        mem = "DRAM" if preset == "mixed" and i == len(REGIONS) - 1 else "VRAM"
+        bufs.append(buf)
+        views.append(CacheView.from_range(name, buf.ctypes.data, buf.nbytes, group_id=group,
+                                          num_blocks=NUM_BLOCKS, mem_type=mem,
+                                          block_len=blen, is_mla=True))
+    return bufs, views
+
+
+class PodAgent:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from kvbridge_agent import metrics
+        from kvbridge_agent.kube import EndpointPublisher, EndpointSync, PodIdentity, api_client
+        from kvbridge_agent.nixl import CPU_TEST_MEM_TYPES
+        from kvbridge_agent.service import AgentService, AgentSettings, EngineInfo
+
+        self.args = args
+        seed = args.seed if args.role == "prefill" else None
+        self.bufs, views = build_views(args.preset, seed)
+        pod = PodIdentity.from_env()
+        if args.api_uds:   # inside a network namespace: reach the apiserver via a unix socket
+            from urllib.parse import urlparse
+
+            import yaml
+            from bridge import tcp_to_unix
+
+            kc = yaml.safe_load(Path(args.kubeconfig).read_text())
+            server = kc["clusters"][0]["cluster"]["server"]
+            url = urlparse(server)
+            subprocess.run(["ip", "link", "set", "lo", "up"], check=True, timeout=10)
+            self.bridge = tcp_to_unix(url.hostname or "127.0.0.1", url.port or 443,
+                                      args.api_uds)
+        self.api = api_client(args.kubeconfig)
+        publisher = EndpointPublisher(self.api, pod, labels={"kvbridge.io/role": args.role,
+                                                             "kvbridge.io/agent": "true"})
+        epoch = publisher.next_epoch(int(time.time() * 1000))
+        self.service = AgentService(
+            views, EngineInfo(args.engine_id, args.role, block_size=16, kv_cache_layout="HND",
+                              attn_backend_name="FLASHMLA", is_mla=True),
+            COMPAT,
+            AgentSettings(side_channel_host=args.host, side_channel_port=args.port,
+                          mem_types=CPU_TEST_MEM_TYPES, epoch=epoch,
+                          handshake_timeout_s=args.handshake_timeout,
+                          transfer_timeout_s=args.transfer_timeout)).start()
+        self.metrics_port = metrics.serve(args.metrics_port, "127.0.0.1") \
+            if args.metrics_port >= 0 else 0
+        self.sync = EndpointSync(self.service, publisher, args.transfer,
+                                 interval_s=args.sync_interval)
+        self.sync.start()
+
+    def status(self) -> dict[str, Any]:
+        return {"epoch": self.service.epoch, "agent": self.service.agent_name,
+                "port": self.service.port, "metrics_port": self.metrics_port,
+                "pid": os.getpid(),
+                "peers": {n: r.epoch for n, r in self.service.peers().items()},
+                "handshakes": [r.to_status() | {"reason": r.reason}
+                               for r in self.service.reports()]}
+
+    def pull(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        local, remote = cmd["local_block_ids"], cmd["remote_block_ids"]
+        res = self.service.pull(cmd["request_id"], cmd["remote_engine_id"], local, remote,
+                                expected_epoch=cmd.get("expected_epoch"),
+                                timeout_s=cmd.get("timeout_s"))
+        out: dict[str, Any] = {"ok": res.ok, "nbytes": res.nbytes, "descs": res.descs,
+                               "parts": res.parts, "seconds": res.seconds,
+                               "gbps": res.throughput_gbps, "cause": res.cause,
+                               "message": res.message}
+        if res.ok and cmd.get("verify_seed") is not None:
+            out["verified"] = self.verify(int(cmd["verify_seed"]), local, remote)
+        return out
+
+    def verify(self, seed: int, local: list[list[int]], remote: list[list[int]]) -> bool:
+        blen = block_len(self.args.preset)
+        for i, (_, g) in enumerate(REGIONS):
+            src = pattern(seed, i, NUM_BLOCKS * blen)
+            for lb, rb in zip(local[g], remote[g], strict=True):
+                if not np.array_equal(self.bufs[i][lb * blen:(lb + 1) * blen],
+                                      src[rb * blen:(rb + 1) * blen]):
+                    return False
+        return True
+
+    def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        op = cmd.get("cmd")
+        if op == "status":
+            return self.status()
+        if op == "pull":
+            return self.pull(cmd)
+        if op == "hold":
+            self.service.hold(cmd["request_ids"], cmd.get("lease_s"))
+            return {"ok": True}
+        if op == "completions":
+            return self.service.completions()
+        if op == "clear":
+            for b in self.bufs:
+                b.fill(0)
+            return {"ok": True}
+        raise ValueError(f"unknown command {op!r}")
+
+    def close(self) -> None:
+        self.sync.stop()
+        self.service.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kubeconfig", required=True)
+    ap.add_argument("--transfer", default="kvt")
+    ap.add_argument("--role", choices=("prefill", "decode"), required=True)
+    ap.add_argument("--engine-id", required=True)
+    ap.add_argument("--preset", choices=("grouped", "mixed", "bad-block"), default="grouped")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--metrics-port", type=int, default=-1)
+    ap.add_argument("--sync-interval", type=float, default=0.3)
+    ap.add_argument("--handshake-timeout", type=float, default=3.0)
+    ap.add_argument("--transfer-timeout", type=float, default=5.0)
+    ap.add_argument("--api-uds", default="", help="reach the apiserver through this unix "
+                    "socket (agents inside a network namespace)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {os.environ.get('POD_NAME', '?')} %(name)s "
+                               "%(levelname)s %(message)s")
+    agent = PodAgent(args)
+
+    def reply(obj: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    reply({"event": "ready", **agent.status()})
+    try:
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            try:
+                cmd = json.loads(line)
+                if cmd.get("cmd") == "exit":
+                    reply({"ok": True})
+                    break
+                reply(agent.handle(cmd))
+            except Exception as exc:
+                reply({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        agent.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
