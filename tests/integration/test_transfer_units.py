@@ -339,3 +339,17 @@ def test_agent_construction_patches_the_progress_thread_delay():
     nx.NixlAgent("b", nx.AgentConfig(progress_delay_us=250), nixl=fake)
     assert seen == [("a", 100), ("b", 250)]
     assert bindings.nixlAgent is real_constructor          # restored after construction
+
+
+def test_plan_region_mapped_positional_rule_uses_token_positions():
+    # P advertises pages [A, B, C, unused]; D holds three pages. Suffix alignment would
+    # pair D with [B, C, unused]; with the token count the pairing is [A, B, C] (#57077).
+    plan = _plan([0, 1], [8, 8])
+    remote = _remote([0, 0], [8, 8])
+    kw = {"local_block_size": 16, "local_ppl": 1, "remote": remote,
+          "local_block_ids": [[5, 6, 7], [1, 2, 3]], "remote_block_ids": [[0, 1, 2, 3]]}
+    suffix = plan_read_ids(plan, **kw)
+    assert suffix.remote_ids.tolist() == [1, 2, 3, 9, 10, 11]
+    positional = plan_read_ids(plan, **kw, num_computed_blocks=[0, 0], remote_num_tokens=48)
+    assert positional.local_ids.tolist() == [5, 6, 7, 9, 10, 11]
+    assert positional.remote_ids.tolist() == [0, 1, 2, 8, 9, 10]
