@@ -36,15 +36,16 @@ same descriptors as the prepared path and only adds a table gather plus
 (2 vCPUs shared with other jobs, load average 8-10; median of 25 back-to-back paired reps,
 cross-process pull of 61 regions x 64 blocks x 73,728 B = 288 MB):
 
-====================================  ===========  ===========
-ratio                                  run 1        run 2
-====================================  ===========  ===========
-contiguous: coalesced / prepared       0.967        1.001
-scattered:  coalesced / prepared       0.995        0.995
-contiguous: coalesced / numpy memcpy   0.837        0.833
-contiguous: prepared / numpy memcpy    0.872        0.868
-====================================  ===========  ===========
+====================================  =====  =====  =====
+ratio (run 1 / 2 / 3)                  1      2      3
+====================================  =====  =====  =====
+contiguous: coalesced / prepared       0.967  1.001  1.059
+scattered:  coalesced / prepared       0.995  0.995  0.961
+contiguous: coalesced / numpy memcpy   0.837  0.833  0.933
+contiguous: prepared / numpy memcpy    0.872  0.868  0.924
+====================================  =====  =====  =====
 
+Run-to-run noise on this shared machine is about +-5 %, the size of every difference here.
 No win, so it is off by default. Keep it for NIXL builds or backends that do not merge
 (e.g. ``skip_desc_merge``); measure with ``bench/bench_transfer.py`` before turning it on.
 """
