@@ -170,6 +170,18 @@ def test_plan_region_mapped_matches_spec_example_e():
     assert ids.remote_ids.tolist() == [4, 5, 6, 20, 21, 22, 37, 38]
 
 
+def test_plan_block_size_ratio_with_prefix_hit_keeps_token_alignment():
+    # 5 remote blocks of 16 tokens (80 tokens) = 3 local blocks of 32; local block 0 is a
+    # prefix hit, so local blocks [6, 7] receive remote blocks 2..4 (tokens 32..79):
+    # sub-blocks 12, 13 (block 6) and 14 (first half of block 7), nothing more.
+    ids = plan_read_ids(_plan([0], [8], block_len=128), local_block_size=32, local_ppl=1,
+                        remote=_remote([0], [8]), local_block_ids=[[6, 7]],
+                        remote_block_ids=[[0, 1, 2, 3, 4]])
+    assert ids.k == 2
+    assert ids.local_ids.tolist() == [12, 13, 14]
+    assert ids.remote_ids.tolist() == [2, 3, 4]
+
+
 def test_plan_rejections():
     with pytest.raises(UnsupportedTransferError, match="pure MLA"):
         plan_read_ids(_plan([0, 1], [8, 8], is_mla=False), local_block_size=16, local_ppl=1,

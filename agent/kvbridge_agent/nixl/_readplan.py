@@ -45,6 +45,17 @@ def block_size_ratio(local_block_size: int, remote_block_size: int) -> int:
     return local_block_size // remote_block_size
 
 
+def _sub_block_count(num_local: int, num_remote: int, k: int) -> int:
+    """Remote blocks that land in ``num_local`` local blocks at ratio ``k``.
+
+    The remote list covers the whole prompt (``ceil(num_remote / k)`` local blocks); the
+    local list lacks the prefix-cache hits at its front. Only the remote blocks after those
+    hits are read, so a partly filled last local block does not shift the pairing.
+    """
+    hit_blocks = max(-(-num_remote // k) - num_local, 0)
+    return max(min(num_local * k, num_remote - hit_blocks * k), 0)
+
+
 def plan_read_ids(
     plan: geo.RegionPlan,
     *,
@@ -112,7 +123,7 @@ def plan_read_ids(
 
     if k > 1:
         local_kernel = [
-            geo.map_to_sub_blocks(lg, k, min(len(lg) * k, len(rg)))
+            geo.map_to_sub_blocks(lg, k, _sub_block_count(len(lg), len(rg), k))
             for lg, rg in zip(local_kernel, remote_kernel, strict=False)
         ]
     d, p = geo.align_prefix_by_group(local_kernel, remote_kernel,
