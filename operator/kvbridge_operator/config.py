@@ -59,6 +59,8 @@ class Settings:
     resync: float = 300.0
     #: Concurrent status patches per KVTransfer (KVBRIDGE_WRITE_CONCURRENCY).
     write_concurrency: int = 8
+    #: Level of kopf's per-object log ("Handler ... succeeded") (KVBRIDGE_KOPF_LOG_LEVEL).
+    kopf_log_level: str = "WARNING"
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -74,4 +76,5 @@ class Settings:
             debounce=_env_float("KVBRIDGE_DEBOUNCE", cls.debounce),
             resync=_env_float("KVBRIDGE_RESYNC", cls.resync),
             write_concurrency=_env_int("KVBRIDGE_WRITE_CONCURRENCY", cls.write_concurrency),
+            kopf_log_level=os.environ.get("KVBRIDGE_KOPF_LOG_LEVEL", cls.kopf_log_level).upper(),
         )

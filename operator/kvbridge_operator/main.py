@@ -39,6 +39,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
     settings.posting.loggers = False  # Events only on condition transitions (reconciler).
+    # kopf logs every successful handler call at INFO; with a watch event per endpoint
+    # change that drowns the operator's own messages. Failures still log at WARNING+.
+    logging.getLogger("kopf.objects").setLevel(cfg.kopf_log_level)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     settings.peering.standalone = not cfg.peering
     if cfg.peering:
         settings.peering.name = cfg.peering
@@ -117,14 +121,19 @@ async def release_endpoints(
     )
 
 
-@kopf.on.validate(GROUP, VERSION, ENDPOINTS, id="validate-kvendpoint")
 def validate_kvendpoint(body: kopf.Body, old: Any, **_: Any) -> None:
     _admit(admission.check_endpoint(body, old))
 
 
-@kopf.on.validate(GROUP, VERSION, TRANSFERS, id="validate-kvtransfer")
 def validate_kvtransfer(body: kopf.Body, old: Any, **_: Any) -> None:
     _admit(admission.check_transfer(body, old))
+
+
+# kopf refuses to start with admission handlers but no server, so the webhooks exist only
+# when KVBRIDGE_WEBHOOK_PORT is set (a standby replica or a webhook-less install runs without).
+if Settings.from_env().webhook_port:
+    kopf.on.validate(GROUP, VERSION, ENDPOINTS, id="validate-kvendpoint")(validate_kvendpoint)
+    kopf.on.validate(GROUP, VERSION, TRANSFERS, id="validate-kvtransfer")(validate_kvtransfer)
 
 
 def _admit(problems: list[str]) -> None:

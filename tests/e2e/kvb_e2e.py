@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,6 +45,12 @@ def wait_for(fn: Callable[[], T], *, timeout: float = 30.0, interval: float = 0.
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return resp.status, resp.read().decode()
@@ -59,6 +66,7 @@ class OperatorProcess:
         self.ports = ports
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        self.extra_args: list[str] = []
 
     @property
     def metrics_url(self) -> str:
@@ -76,7 +84,8 @@ class OperatorProcess:
         self.starts += 1
         env = {**os.environ, **self.env, "KUBECONFIG": str(self.kubeconfig)}
         cmd = [sys.executable, "-m", "kopf", "run", "--all-namespaces",
-               f"--liveness={self.liveness_url}", "-m", "kvbridge_operator.main"]  # fmt: skip
+               f"--liveness={self.liveness_url}", *self.extra_args,
+               "-m", "kvbridge_operator.main"]  # fmt: skip
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
