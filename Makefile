@@ -12,7 +12,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH_SPEC ?= torch==2.13.0
 NIXL_SPEC ?= nixl-cu12==1.5.1
 
-.PHONY: venv test lint bench clean test-stack
+.PHONY: venv test lint bench clean test-stack demo
 
 venv: $(VENV)/.installed
 
@@ -35,6 +35,11 @@ test-stack: venv
 
 test: venv lint test-stack
 	$(PY) -m pytest
+
+# The whole flow on a local control plane: chart, operator, simulated P/D pods with real
+# NIXL transfers, an incompatible pod refused. Builds the control plane on first use.
+demo: venv
+	$(PY) demo/run_demo.py
 
 bench: venv
 	@set -e; for b in bench/bench_*.py; do echo ">> $$b" >&2; $(PY) $$b; done
