@@ -376,6 +376,15 @@ def _engines(
     return engines
 
 
+@dataclass(frozen=True)
+class _Candidates:
+    """The compatible prefill engines of one decode geometry class (shared by its engines)."""
+
+    index: int
+    ids: list[str]
+    members: frozenset[str]
+
+
 class _Compatibility:
     """Decode-engine class vs prefill-engine class verdicts, memoised per rank geometry."""
 
@@ -417,7 +426,7 @@ class _Compatibility:
 
 def _classify(
     engines: dict[str, dict[str, _Engine]], compat: _Compatibility, v: _Verdicts
-) -> tuple[dict[str, tuple[_Engine, list[str]]], dict[str, _Engine], int]:
+) -> tuple[dict[str, tuple[_Engine, _Candidates]], dict[str, _Engine], int]:
     """Compatible prefill engines per decode engine; marks engines compatible with none."""
     d_classes: dict[Any, list[_Engine]] = defaultdict(list)
     p_classes: dict[Any, list[_Engine]] = defaultdict(list)
@@ -440,12 +449,13 @@ def _classify(
                 incompatible_pairs += len(ds) * len(ps)
                 first_fail.setdefault(dk, (ps[0], fail))
                 p_first_fail.setdefault(pk, (ds[0], fail))
-    usable_d: dict[str, tuple[_Engine, list[str]]] = {}
-    for dk, ds in d_classes.items():
+    usable_d: dict[str, tuple[_Engine, _Candidates]] = {}
+    for index, (dk, ds) in enumerate(d_classes.items()):
         if ok_for_d.get(dk):
             ids = sorted(p.engine_id for pk in ok_for_d[dk] for p in p_classes[pk])
+            group = _Candidates(index, ids, frozenset(ids))
             for d in ds:
-                usable_d[d.engine_id] = (d, ids)
+                usable_d[d.engine_id] = (d, group)
         elif dk in first_fail:
             p, fail = first_fail[dk]
             for d in ds:
@@ -544,7 +554,7 @@ class _LoadHeaps:
 
 def _pair(
     transfer: Transfer,
-    usable_d: dict[str, tuple[_Engine, list[str]]],
+    usable_d: dict[str, tuple[_Engine, _Candidates]],
     usable_p: dict[str, _Engine],
     node_labels: Mapping[str, Mapping[str, str]],
 ) -> dict[str, list[str]]:
@@ -552,7 +562,8 @@ def _pair(
 
     Sticky first: a decode engine keeps the prefill engines it had (read from its endpoints'
     status) while they stay compatible, under the balance cap and, for TopologyAware, local
-    when a local candidate exists. Then least-loaded fill, local candidates first.
+    when a local candidate exists. Then least-loaded fill, local candidates first. Candidate
+    lists are per decode class, so the cost stays linear in the number of engines.
     """
     topo_key = transfer.topology_key if transfer.policy == "TopologyAware" else ""
 
@@ -560,30 +571,38 @@ def _pair(
         node = e.ranks[0].node_name
         return (node_labels.get(node) or {}).get(topo_key) if topo_key and node else None
 
-    want = {d: min(transfer.prefill_per_decode, len(ps)) for d, (_, ps) in usable_d.items()}
-    reachable = {p for _, ps in usable_d.values() for p in ps}
+    k = transfer.prefill_per_decode
+    want = {d: min(k, len(g.ids)) for d, (_, g) in usable_d.items()}
+    groups = {g.index: g for _, g in usable_d.values()}
+    reachable = set().union(*(g.members for g in groups.values()))
     cap = math.ceil(sum(want.values()) / len(reachable)) if reachable else 0
     load = dict.fromkeys(usable_p, 0)
     p_topo = {p: topo(e) for p, e in usable_p.items()}
+    local_ids: dict[tuple[int, str | None], list[str]] = {}
+    where: dict[str, str | None] = {}
     assigned: dict[str, list[str]] = {d: [] for d in usable_d}
-    local: dict[str, list[str]] = {}
-    for d, (engine, candidates) in usable_d.items():
-        where = topo(engine)
-        local[d] = [p for p in candidates if where is not None and p_topo[p] == where]
-        allowed = set(local[d] or candidates)
-        previous = sorted({p for e in engine.ranks for p in e.previous_peer_engines})
-        for p in previous:
-            if len(assigned[d]) < want[d] and p in allowed and load[p] < cap:
+    for d, (engine, g) in usable_d.items():
+        w = where[d] = topo(engine)
+        if (g.index, w) not in local_ids:
+            local_ids[(g.index, w)] = [p for p in g.ids if w is not None and p_topo[p] == w]
+        has_local = bool(local_ids[(g.index, w)])
+        for p in sorted({p for e in engine.ranks for p in e.previous_peer_engines}):
+            if (
+                len(assigned[d]) < want[d]
+                and p in g.members
+                and (not has_local or p_topo[p] == w)
+                and load[p] < cap
+            ):
                 assigned[d].append(p)
                 load[p] += 1
     heaps = _LoadHeaps(load)
-    for d, (_, candidates) in usable_d.items():
-        group = tuple(candidates)
+    for d, (_, g) in usable_d.items():
+        local = local_ids[(g.index, where[d])]
         while len(assigned[d]) < want[d]:
             taken = set(assigned[d])
-            pick = heaps.best(("local", group, d), local[d], taken) if local[d] else None
+            pick = heaps.best(("local", g.index, where[d]), local, taken) if local else None
             if pick is None or load[pick] >= cap:
-                alt = heaps.best(("any", group), candidates, taken)
+                alt = heaps.best(("any", g.index), g.ids, taken)
                 if pick is None or (alt is not None and load[alt] < load[pick]):
                     pick = alt
             if pick is None:
@@ -594,7 +613,7 @@ def _pair(
 
 
 def _peers_and_handshakes(
-    usable_d: dict[str, tuple[_Engine, list[str]]],
+    usable_d: dict[str, tuple[_Engine, _Candidates]],
     usable_p: dict[str, _Engine],
     assignment: dict[str, list[str]],
     v: _Verdicts,
