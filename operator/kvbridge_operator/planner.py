@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import heapq
 import math
-import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 from kvbridge_agent.geometry import GeometryError, handshake_target_ranks
@@ -39,159 +37,35 @@ from kvbridge_agent.protocol import (
     validate_remote,
 )
 
+from .conditions import desired_conditions
 from .config import DECODE, PREFILL
+from .model import (  # re-exported: the planner's public output types
+    DesiredCondition,
+    EndpointPlan,
+    EndpointState,
+    Pair,
+    PairState,
+    Peer,
+    Plan,
+    Problem,
+    RoleCounts,
+    endpoint_field,
+)
+
+__all__ = [
+    "DesiredCondition",
+    "EndpointPlan",
+    "EndpointState",
+    "Pair",
+    "PairState",
+    "Peer",
+    "Plan",
+    "Problem",
+    "RoleCounts",
+    "endpoint_field",
+    "plan",
+]
 from .spec import Endpoint, Transfer
-
-
-class EndpointState(StrEnum):
-    PENDING = "Pending"
-    PAIRED = "Paired"
-    UNPAIRED = "Unpaired"
-    INCOMPATIBLE = "Incompatible"
-    STALE = "Stale"
-    EXCLUDED = "Excluded"
-
-
-class PairState(StrEnum):
-    PENDING = "Pending"
-    VERIFIED = "Verified"
-    FAILED = "Failed"
-
-
-@dataclass(frozen=True)
-class Peer:
-    name: str
-    engine_id: str
-    role: str
-    host: str
-    port: int
-    tp_rank: int
-    tp_size: int
-    epoch: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "engineId": self.engine_id,
-            "role": self.role,
-            "host": self.host,
-            "port": self.port,
-            "tpRank": self.tp_rank,
-            "tpSize": self.tp_size,
-            "epoch": self.epoch,
-        }
-
-
-@dataclass(frozen=True)
-class EndpointPlan:
-    """The operator's verdict for one KVEndpoint."""
-
-    name: str
-    role: str
-    state: EndpointState
-    reason: str
-    message: str
-    peers: tuple[Peer, ...] = ()
-    handshake: PairState | None = None  # decode endpoints with peers only
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Why an endpoint was not paired: the rule, the KVEndpoint field, a sentence."""
-
-    endpoint: str
-    role: str
-    rule: str
-    field: str
-    message: str
-
-
-@dataclass(frozen=True)
-class Pair:
-    decode_engine: str
-    prefill_engine: str
-    state: PairState
-
-
-@dataclass(frozen=True)
-class RoleCounts:
-    engines: int = 0
-    endpoints: int = 0
-    incompatible: int = 0
-    stale: int = 0
-    incomplete: int = 0
-    paired: int = 0
-    verified: int = 0
-
-
-@dataclass(frozen=True)
-class DesiredCondition:
-    type: str
-    status: str  # "True" | "False" | "Unknown"
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True)
-class Plan:
-    endpoints: tuple[EndpointPlan, ...]  # sorted by name
-    pairs: tuple[Pair, ...]  # sorted by (decode, prefill)
-    prefill: RoleCounts
-    decode: RoleCounts
-    problems: tuple[Problem, ...]  # sorted by endpoint name
-    incompatible_pairs: int  # (decode engine, prefill engine) pairs failing a rule
-    conditions: tuple[DesiredCondition, ...]
-    summary: str
-
-    def endpoint(self, name: str) -> EndpointPlan:
-        return next(e for e in self.endpoints if e.name == name)
-
-    @property
-    def verified_pairs(self) -> int:
-        return sum(1 for p in self.pairs if p.state is PairState.VERIFIED)
-
-
-# -- field names: validate_remote speaks wire names, users read KVEndpoint paths ---------------
-
-_FIELD_PATHS = {
-    "protocol_version": "spec.protocolVersion",
-    "compatibility_hash": "spec.compatibilityHash",
-    "transfer_mode": "spec.mode",
-    "engine_id": "spec.engineId",
-    "tp_size": "spec.tpSize",
-    "dcp_size": "spec.geometry.dcpSize",
-    "pcp_size": "spec.geometry.pcpSize",
-    "kv_cache_layout": "spec.geometry.kvCacheLayout",
-    "block_size": "spec.geometry.blockSize",
-    "num_blocks": "spec.geometry.numBlocks",
-    "physical_blocks_per_logical_kv_block": "spec.geometry.physicalBlocksPerLogical",
-}
-_REGION_FIELDS = {
-    "block_lens": "blockLen",
-    "block_strides": "blockStride",
-    "region_num_blocks": "numBlocks",
-    "region_group_ids": "groupId",
-    "region_names": "name",
-    "region_mem_types": "memType",
-    "kv_caches_base_addr": "",
-}
-_INDEXED = re.compile(r"(\w+)\[(\d+)\]")
-_LENGTH = re.compile(r"len\((\w+)\)")
-
-
-def endpoint_field(wire_field: str) -> str:
-    """Map a :class:`~kvbridge_agent.protocol.Incompatibility` field to a KVEndpoint path."""
-    if m := _INDEXED.fullmatch(wire_field):
-        sub = _REGION_FIELDS.get(m.group(1))
-        if sub is not None:
-            return f"spec.geometry.regions[{m.group(2)}]" + (f".{sub}" if sub else "")
-    if _LENGTH.fullmatch(wire_field):
-        return "spec.geometry.regions"
-    if wire_field in _REGION_FIELDS:
-        sub = _REGION_FIELDS[wire_field]
-        return "spec.geometry.regions[*]" + (f".{sub}" if sub else "")
-    return _FIELD_PATHS.get(wire_field, wire_field)
-
 
 # -- the plan ----------------------------------------------------------------------------------
 
@@ -709,11 +583,6 @@ def _handshake_text(state: PairState, e: Endpoint, peers: list[Peer]) -> tuple[s
     return "HandshakePending", f"waiting for status.handshakes to report {names} at their epochs"
 
 
-def _names(items: list[str], limit: int = 5) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
-
-
 def _counts(role: str, eps: list[Endpoint], v: _Verdicts, engines: int) -> RoleCounts:
     plans = [v.items[e.name] for e in eps if e.role == role and e.name in v.items]
     by_name = v.items
@@ -760,7 +629,7 @@ def _finish(
     decode = _counts(DECODE, eps, v, _compatible_engines(engines[DECODE], v))
     problems = sorted(v.problems, key=lambda p: p.endpoint)
     plans = [v.items[e.name] for e in eps]
-    conditions = _conditions(transfer, eps, plans, problems, prefill, decode, pairs)
+    conditions = desired_conditions(transfer, eps, plans, problems, prefill, decode, pairs)
     verified = sum(p.state is PairState.VERIFIED for p in pairs)
     summary = f"{prefill.engines} prefill / {decode.engines} decode engines, "
     summary += f"{verified}/{len(pairs)} pairs verified"
@@ -782,129 +651,3 @@ def _finish(
         conditions=conditions,
         summary=summary[:1000],
     )
-
-
-def _conditions(
-    transfer: Transfer,
-    eps: list[Endpoint],
-    plans: list[EndpointPlan],
-    problems: list[Problem],
-    prefill: RoleCounts,
-    decode: RoleCounts,
-    pairs: list[Pair],
-) -> tuple[DesiredCondition, ...]:
-    C = DesiredCondition
-    if not eps:
-        geo = C(
-            "GeometryCompatible",
-            "Unknown",
-            "NoEndpoints",
-            f"no KVEndpoint has spec.transferName {transfer.name}",
-        )
-    elif problems:
-        shown = "; ".join(f"{p.role} {p.endpoint}: {p.field}: {p.message}" for p in problems[:3])
-        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
-        geo = C(
-            "GeometryCompatible",
-            "False",
-            "IncompatibleEndpoints",
-            f"{len(problems)} endpoint(s) not paired: {shown}{more}",
-        )
-    elif not prefill.engines or not decode.engines:
-        geo = C(
-            "GeometryCompatible",
-            "Unknown",
-            "WaitingForEngines",
-            "need one complete prefill and one complete decode engine to compare",
-        )
-    else:
-        geo = C(
-            "GeometryCompatible",
-            "True",
-            "AllCompatible",
-            f"{decode.engines} decode and {prefill.engines} prefill engines pass the "
-            "handshake rules",
-        )
-    if not decode.engines:
-        paired = C(
-            "Paired",
-            "False",
-            "NoDecodeEngines",
-            "no complete, compatible decode engine (see KVEndpoint status)",
-        )
-    elif not pairs:
-        paired = C(
-            "Paired",
-            "False",
-            "NoPrefillEngines",
-            "no complete, compatible prefill engine (see KVEndpoint status)",
-        )
-    else:
-        used = len({p.prefill_engine for p in pairs})
-        paired = C(
-            "Paired",
-            "True",
-            "AllDecodeEnginesPaired",
-            f"{decode.engines} decode engine(s) paired with {used} prefill engine(s), "
-            f"policy {transfer.policy}",
-        )
-    d_paired = [p for p in plans if p.role == DECODE and p.state is EndpointState.PAIRED]
-    failed = [p for p in d_paired if p.handshake is PairState.FAILED]
-    pending = [p.name for p in d_paired if p.handshake is PairState.PENDING]
-    if not pairs:
-        hs = C("HandshakesVerified", "Unknown", "NoPairs", "no pairs are assigned yet")
-    elif failed:
-        hs = C(
-            "HandshakesVerified",
-            "False",
-            "HandshakeFailed",
-            f"{len(failed)} decode endpoint(s) report failed handshakes: "
-            + "; ".join(f"{p.name}: {p.message}" for p in failed[:3]),
-        )
-    elif pending:
-        hs = C(
-            "HandshakesVerified",
-            "False",
-            "HandshakesPending",
-            f"{len(pending)} of {len(d_paired)} paired decode endpoints have not reported "
-            f"successful handshakes at their peers' current epochs: {_names(pending)}",
-        )
-    else:
-        hs = C(
-            "HandshakesVerified",
-            "True",
-            "AllHandshakesSucceeded",
-            f"{len(d_paired)} decode endpoints verified {len(pairs)} pair(s)",
-        )
-    if paired.status == "True" and hs.status == "True":
-        ready = C("Ready", "True", "AllPairsVerified", f"{len(pairs)} pair(s) ready")
-    else:
-        blocker = paired if paired.status != "True" else hs
-        ready = C("Ready", "False", blocker.reason, blocker.message)
-    parts = []
-    if problems:
-        parts.append(
-            (
-                "IncompatibleEndpoints",
-                f"{len(problems)} incompatible endpoint(s): "
-                f"{_names([p.endpoint for p in problems])}",
-            )
-        )
-    if failed:
-        parts.append(("HandshakeFailed", f"{len(failed)} failed handshake(s)"))
-    stale = prefill.stale + decode.stale
-    if stale:
-        parts.append(("StaleEndpoints", f"{stale} stale endpoint(s) superseded by newer epochs"))
-    incomplete = prefill.incomplete + decode.incomplete
-    if incomplete:
-        parts.append(("IncompleteEngines", f"{incomplete} endpoint(s) of engines missing TP ranks"))
-    if parts:
-        degraded = C("Degraded", "True", parts[0][0], "; ".join(m for _, m in parts))
-    else:
-        degraded = C(
-            "Degraded",
-            "False",
-            "AsExpected",
-            "no incompatible, stale or incomplete endpoints and no failed handshakes",
-        )
-    return (geo, paired, hs, ready, degraded)

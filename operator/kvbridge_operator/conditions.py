@@ -1,0 +1,152 @@
+"""Desired KVTransfer conditions from a finished plan. Pure.
+
+GeometryCompatible, Paired, HandshakesVerified, Ready (Paired and HandshakesVerified; an
+incompatible endpoint that is left out does not block it) and Degraded (incompatible, stale or
+incomplete endpoints, failed handshakes). Messages name endpoints and fields and list at most a
+few names, sorted, so they only change when the facts do.
+"""
+
+from __future__ import annotations
+
+from .config import DECODE
+from .model import (
+    DesiredCondition,
+    EndpointPlan,
+    EndpointState,
+    Pair,
+    PairState,
+    Problem,
+    RoleCounts,
+)
+from .spec import Endpoint, Transfer
+
+
+def _names(items: list[str], limit: int = 5) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def desired_conditions(
+    transfer: Transfer,
+    eps: list[Endpoint],
+    plans: list[EndpointPlan],
+    problems: list[Problem],
+    prefill: RoleCounts,
+    decode: RoleCounts,
+    pairs: list[Pair],
+) -> tuple[DesiredCondition, ...]:
+    C = DesiredCondition
+    if not eps:
+        geo = C(
+            "GeometryCompatible",
+            "Unknown",
+            "NoEndpoints",
+            f"no KVEndpoint has spec.transferName {transfer.name}",
+        )
+    elif problems:
+        shown = "; ".join(f"{p.role} {p.endpoint}: {p.field}: {p.message}" for p in problems[:3])
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        geo = C(
+            "GeometryCompatible",
+            "False",
+            "IncompatibleEndpoints",
+            f"{len(problems)} endpoint(s) not paired: {shown}{more}",
+        )
+    elif not prefill.engines or not decode.engines:
+        geo = C(
+            "GeometryCompatible",
+            "Unknown",
+            "WaitingForEngines",
+            "need one complete prefill and one complete decode engine to compare",
+        )
+    else:
+        geo = C(
+            "GeometryCompatible",
+            "True",
+            "AllCompatible",
+            f"{decode.engines} decode and {prefill.engines} prefill engines pass the "
+            "handshake rules",
+        )
+    if not decode.engines:
+        paired = C(
+            "Paired",
+            "False",
+            "NoDecodeEngines",
+            "no complete, compatible decode engine (see KVEndpoint status)",
+        )
+    elif not pairs:
+        paired = C(
+            "Paired",
+            "False",
+            "NoPrefillEngines",
+            "no complete, compatible prefill engine (see KVEndpoint status)",
+        )
+    else:
+        used = len({p.prefill_engine for p in pairs})
+        paired = C(
+            "Paired",
+            "True",
+            "AllDecodeEnginesPaired",
+            f"{decode.engines} decode engine(s) paired with {used} prefill engine(s), "
+            f"policy {transfer.policy}",
+        )
+    d_paired = [p for p in plans if p.role == DECODE and p.state is EndpointState.PAIRED]
+    failed = [p for p in d_paired if p.handshake is PairState.FAILED]
+    pending = [p.name for p in d_paired if p.handshake is PairState.PENDING]
+    if not pairs:
+        hs = C("HandshakesVerified", "Unknown", "NoPairs", "no pairs are assigned yet")
+    elif failed:
+        hs = C(
+            "HandshakesVerified",
+            "False",
+            "HandshakeFailed",
+            f"{len(failed)} decode endpoint(s) report failed handshakes: "
+            + "; ".join(f"{p.name}: {p.message}" for p in failed[:3]),
+        )
+    elif pending:
+        hs = C(
+            "HandshakesVerified",
+            "False",
+            "HandshakesPending",
+            f"{len(pending)} of {len(d_paired)} paired decode endpoints have not reported "
+            f"successful handshakes at their peers' current epochs: {_names(pending)}",
+        )
+    else:
+        hs = C(
+            "HandshakesVerified",
+            "True",
+            "AllHandshakesSucceeded",
+            f"{len(d_paired)} decode endpoints verified {len(pairs)} pair(s)",
+        )
+    if paired.status == "True" and hs.status == "True":
+        ready = C("Ready", "True", "AllPairsVerified", f"{len(pairs)} pair(s) ready")
+    else:
+        blocker = paired if paired.status != "True" else hs
+        ready = C("Ready", "False", blocker.reason, blocker.message)
+    parts = []
+    if problems:
+        parts.append(
+            (
+                "IncompatibleEndpoints",
+                f"{len(problems)} incompatible endpoint(s): "
+                f"{_names([p.endpoint for p in problems])}",
+            )
+        )
+    if failed:
+        parts.append(("HandshakeFailed", f"{len(failed)} failed handshake(s)"))
+    stale = prefill.stale + decode.stale
+    if stale:
+        parts.append(("StaleEndpoints", f"{stale} stale endpoint(s) superseded by newer epochs"))
+    incomplete = prefill.incomplete + decode.incomplete
+    if incomplete:
+        parts.append(("IncompleteEngines", f"{incomplete} endpoint(s) of engines missing TP ranks"))
+    if parts:
+        degraded = C("Degraded", "True", parts[0][0], "; ".join(m for _, m in parts))
+    else:
+        degraded = C(
+            "Degraded",
+            "False",
+            "AsExpected",
+            "no incompatible, stale or incomplete endpoints and no failed handshakes",
+        )
+    return (geo, paired, hs, ready, degraded)

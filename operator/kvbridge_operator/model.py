@@ -1,0 +1,158 @@
+"""The planner's output types and the wire-field -> KVEndpoint-path mapping. Pure."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class EndpointState(StrEnum):
+    PENDING = "Pending"
+    PAIRED = "Paired"
+    UNPAIRED = "Unpaired"
+    INCOMPATIBLE = "Incompatible"
+    STALE = "Stale"
+    EXCLUDED = "Excluded"
+
+
+class PairState(StrEnum):
+    PENDING = "Pending"
+    VERIFIED = "Verified"
+    FAILED = "Failed"
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    engine_id: str
+    role: str
+    host: str
+    port: int
+    tp_rank: int
+    tp_size: int
+    epoch: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "engineId": self.engine_id,
+            "role": self.role,
+            "host": self.host,
+            "port": self.port,
+            "tpRank": self.tp_rank,
+            "tpSize": self.tp_size,
+            "epoch": self.epoch,
+        }
+
+
+@dataclass(frozen=True)
+class EndpointPlan:
+    """The operator's verdict for one KVEndpoint."""
+
+    name: str
+    role: str
+    state: EndpointState
+    reason: str
+    message: str
+    peers: tuple[Peer, ...] = ()
+    handshake: PairState | None = None  # decode endpoints with peers only
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why an endpoint was not paired: the rule, the KVEndpoint field, a sentence."""
+
+    endpoint: str
+    role: str
+    rule: str
+    field: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Pair:
+    decode_engine: str
+    prefill_engine: str
+    state: PairState
+
+
+@dataclass(frozen=True)
+class RoleCounts:
+    engines: int = 0
+    endpoints: int = 0
+    incompatible: int = 0
+    stale: int = 0
+    incomplete: int = 0
+    paired: int = 0
+    verified: int = 0
+
+
+@dataclass(frozen=True)
+class DesiredCondition:
+    type: str
+    status: str  # "True" | "False" | "Unknown"
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    endpoints: tuple[EndpointPlan, ...]  # sorted by name
+    pairs: tuple[Pair, ...]  # sorted by (decode, prefill)
+    prefill: RoleCounts
+    decode: RoleCounts
+    problems: tuple[Problem, ...]  # sorted by endpoint name
+    incompatible_pairs: int  # (decode engine, prefill engine) pairs failing a rule
+    conditions: tuple[DesiredCondition, ...]
+    summary: str
+
+    def endpoint(self, name: str) -> EndpointPlan:
+        return next(e for e in self.endpoints if e.name == name)
+
+    @property
+    def verified_pairs(self) -> int:
+        return sum(1 for p in self.pairs if p.state is PairState.VERIFIED)
+
+
+# -- field names: validate_remote speaks wire names, users read KVEndpoint paths ---------------
+
+_FIELD_PATHS = {
+    "protocol_version": "spec.protocolVersion",
+    "compatibility_hash": "spec.compatibilityHash",
+    "transfer_mode": "spec.mode",
+    "engine_id": "spec.engineId",
+    "tp_size": "spec.tpSize",
+    "dcp_size": "spec.geometry.dcpSize",
+    "pcp_size": "spec.geometry.pcpSize",
+    "kv_cache_layout": "spec.geometry.kvCacheLayout",
+    "block_size": "spec.geometry.blockSize",
+    "num_blocks": "spec.geometry.numBlocks",
+    "physical_blocks_per_logical_kv_block": "spec.geometry.physicalBlocksPerLogical",
+}
+_REGION_FIELDS = {
+    "block_lens": "blockLen",
+    "block_strides": "blockStride",
+    "region_num_blocks": "numBlocks",
+    "region_group_ids": "groupId",
+    "region_names": "name",
+    "region_mem_types": "memType",
+    "kv_caches_base_addr": "",
+}
+_INDEXED = re.compile(r"(\w+)\[(\d+)\]")
+_LENGTH = re.compile(r"len\((\w+)\)")
+
+
+def endpoint_field(wire_field: str) -> str:
+    """Map a :class:`~kvbridge_agent.protocol.Incompatibility` field to a KVEndpoint path."""
+    if m := _INDEXED.fullmatch(wire_field):
+        sub = _REGION_FIELDS.get(m.group(1))
+        if sub is not None:
+            return f"spec.geometry.regions[{m.group(2)}]" + (f".{sub}" if sub else "")
+    if _LENGTH.fullmatch(wire_field):
+        return "spec.geometry.regions"
+    if wire_field in _REGION_FIELDS:
+        sub = _REGION_FIELDS[wire_field]
+        return "spec.geometry.regions[*]" + (f".{sub}" if sub else "")
+    return _FIELD_PATHS.get(wire_field, wire_field)
