@@ -32,7 +32,8 @@ def pods(cluster, api: Api, ns: str) -> Iterator[list[SimPod]]:
         p.close()
 
 
-def start(pods: list[SimPod], cluster, ns: str, name: str, role: str, engine: str, **kw) -> SimPod:
+def start(pods: list[SimPod], cluster, ns: str, name: str, role: str, engine: str,
+          **kw) -> SimPod:
     p = SimPod(cluster, ns, name, role=role, engine_id=engine, seed=SEED, **kw)
     pods.append(p)
     p.start()
@@ -40,21 +41,12 @@ def start(pods: list[SimPod], cluster, ns: str, name: str, role: str, engine: st
 
 
 def pull(d: SimPod, rid: str, **kw) -> dict:
-    return d.call(
-        "pull",
-        request_id=rid,
-        remote_engine_id="P",
-        local_block_ids=LOCAL,
-        remote_block_ids=REMOTE,
-        verify_seed=SEED,
-        timeout_s=5.0,
-        **kw,
-    )
+    return d.call("pull", request_id=rid, remote_engine_id="P", local_block_ids=LOCAL,
+                  remote_block_ids=REMOTE, verify_seed=SEED, timeout_s=5.0, **kw)
 
 
-def test_restart_prefill_new_epoch_rehandshake_no_stale_completion(
-    cluster, api: Api, ns: str, pods
-) -> None:
+def test_restart_prefill_new_epoch_rehandshake_no_stale_completion(cluster, api: Api, ns: str,
+                                                                    pods) -> None:
     p = start(pods, cluster, ns, "p-0", "prefill", "P")
     d = start(pods, cluster, ns, "d-0", "decode", "D", preset="mixed")
     wait_for(lambda: handshakes_ok(d) and handshakes_ok(p), timeout=60, what="preflight")
@@ -63,8 +55,7 @@ def test_restart_prefill_new_epoch_rehandshake_no_stale_completion(
     ep = api.endpoint(ns, "d-0")
     assert ep["metadata"]["ownerReferences"][0]["uid"] == d.uid
     assert [(h["peer"], h["epoch"], h["state"]) for h in ep["status"]["handshakes"]] == [
-        ("p-0", e1, "Succeeded")
-    ]
+        ("p-0", e1, "Succeeded")]
 
     p.call("hold", request_ids=["r1"])
     first = pull(d, "r1")
@@ -77,69 +68,42 @@ def test_restart_prefill_new_epoch_rehandshake_no_stale_completion(
     # Until the decode side has re-handshaken, a request against the old peer fails typed.
     early = pull(d, "r2", expected_epoch=e2)
     if not early["ok"]:
-        assert early["cause"] in (
-            "stale_peer",
-            "remote_disconnect",
-            "unknown_remote",
-            "setup",
-            "transfer",
-        ), early
-    else:  # only possible once the decode side already loaded the new epoch
+        assert early["cause"] in ("stale_peer", "remote_disconnect", "unknown_remote", "setup",
+                                  "transfer"), early
+    else:   # only possible once the decode side already loaded the new epoch
         assert d.status()["peers"] == {"p-0": e2}
-    wait_for(
-        lambda: d.status()["peers"] == {"p-0": e2} and handshakes_ok(p),
-        timeout=60,
-        what="re-handshake at the new epoch",
-    )
+    wait_for(lambda: d.status()["peers"] == {"p-0": e2} and handshakes_ok(p),
+             timeout=60, what="re-handshake at the new epoch")
     p.call("hold", request_ids=["r3"])
     d.call("clear")
     third = pull(d, "r3", expected_epoch=e2)
     assert third["ok"] and third["verified"], third
     wait_for(lambda: "r3" in p.call("completions")["finished"], timeout=10, what="r3 done")
     assert api.endpoint(ns, "p-0")["spec"]["epoch"] == e2
-    wait_for(
-        lambda: (
-            [
-                (h["peer"], h["epoch"], h["state"])
-                for h in api.endpoint(ns, "d-0")["status"]["handshakes"]
-            ]
-            == [("p-0", e2, "Succeeded")]
-        ),
-        timeout=30,
-        what="reported at e2",
-    )
+    wait_for(lambda: [(h["peer"], h["epoch"], h["state"]) for h in
+                      api.endpoint(ns, "d-0")["status"]["handshakes"]] == [
+                          ("p-0", e2, "Succeeded")], timeout=30, what="reported at e2")
 
 
-def test_deleting_decode_pod_collects_endpoint_and_replans(
-    cluster, api: Api, ns: str, pods
-) -> None:
+def test_deleting_decode_pod_collects_endpoint_and_replans(cluster, api: Api, ns: str,
+                                                            pods) -> None:
     p = start(pods, cluster, ns, "p-0", "prefill", "P")
     d = start(pods, cluster, ns, "d-0", "decode", "D")
     wait_for(lambda: handshakes_ok(d) and handshakes_ok(p), timeout=60, what="preflight")
     d.kill()
     d.delete_pod()
     wait_for(lambda: "d-0" not in api.endpoints(ns), timeout=60, what="endpoint GC")
-    wait_for(
-        lambda: not (api.endpoint(ns, "p-0").get("status") or {}).get("peers"),
-        timeout=30,
-        what="prefill re-planned without peers",
-    )
+    wait_for(lambda: not (api.endpoint(ns, "p-0").get("status") or {}).get("peers"),
+             timeout=30, what="prefill re-planned without peers")
     wait_for(lambda: p.status()["peers"] == {}, timeout=30, what="prefill dropped the peer")
-    st = api.transfer(ns).get("status") or {}
+    st = (api.transfer(ns).get("status") or {})
     assert st.get("pairs", {}).get("total", 0) == 0
     # A successor decode pod pairs and handshakes again.
     d2 = start(pods, cluster, ns, "d-1", "decode", "D2")
     wait_for(lambda: handshakes_ok(d2) and handshakes_ok(p), timeout=60, what="new pair")
     p.call("hold", request_ids=["s1"])
-    res = d2.call(
-        "pull",
-        request_id="s1",
-        remote_engine_id="P",
-        local_block_ids=LOCAL,
-        remote_block_ids=REMOTE,
-        verify_seed=SEED,
-        timeout_s=5.0,
-    )
+    res = d2.call("pull", request_id="s1", remote_engine_id="P", local_block_ids=LOCAL,
+                  remote_block_ids=REMOTE, verify_seed=SEED, timeout_s=5.0)
     assert res["ok"] and res["verified"], res
     assert ENDPOINTS == "kvendpoints"
 
@@ -156,9 +120,8 @@ def test_incompatible_decode_is_refused_with_reason(cluster, api: Api, ns: str, 
     assert "block_len" in st["message"].replace("blockLen", "block_len"), st["message"]
 
 
-def test_agent_cannot_write_with_admin_rights_it_does_not_have(
-    cluster, api: Api, ns: str, pods
-) -> None:
+def test_agent_cannot_write_with_admin_rights_it_does_not_have(cluster, api: Api, ns: str,
+                                                               pods) -> None:
     """The pod-bound token can publish its endpoint but cannot touch pods or secrets."""
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException

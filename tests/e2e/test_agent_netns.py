@@ -39,14 +39,8 @@ def netns() -> Iterator[dict[str, str]]:
         pytest.skip("needs root and iproute2 for network namespaces")
     tag = uuid.uuid4().hex[:6]
     octet = int(tag[:2], 16) % 250 + 1
-    n = {
-        "p": f"kvbp-{tag}",
-        "d": f"kvbd-{tag}",
-        "pdev": f"kvp{tag}",
-        "ddev": f"kvd{tag}",
-        "pip": f"10.213.{octet}.1",
-        "dip": f"10.213.{octet}.2",
-    }
+    n = {"p": f"kvbp-{tag}", "d": f"kvbd-{tag}", "pdev": f"kvp{tag}", "ddev": f"kvd{tag}",
+         "pip": f"10.213.{octet}.1", "dip": f"10.213.{octet}.2"}
     try:
         ip("netns", "add", n["p"])
         ip("netns", "add", n["d"])
@@ -64,62 +58,30 @@ def netns() -> Iterator[dict[str, str]]:
             subprocess.run(["ip", "netns", "del", n[side]], capture_output=True, timeout=10)
 
 
-def test_transfer_across_veth_and_link_cut_fails_cleanly(
-    cluster, api: Api, ns: str, netns: dict[str, str]
-) -> None:
+def test_transfer_across_veth_and_link_cut_fails_cleanly(cluster, api: Api, ns: str,
+                                                          netns: dict[str, str]) -> None:
     create_agent_rbac(cluster.api_client(), ns)
     api.create_transfer(ns)
     env = {"UCX_TLS": "tcp"}
-    p = SimPod(
-        cluster,
-        ns,
-        "p-0",
-        role="prefill",
-        engine_id="P",
-        seed=SEED,
-        host=netns["pip"],
-        netns=netns["p"],
-        env={**env, "UCX_NET_DEVICES": netns["pdev"]},
-    )
-    d = SimPod(
-        cluster,
-        ns,
-        "d-0",
-        role="decode",
-        engine_id="D",
-        seed=SEED,
-        host=netns["dip"],
-        netns=netns["d"],
-        env={**env, "UCX_NET_DEVICES": netns["ddev"]},
-    )
+    p = SimPod(cluster, ns, "p-0", role="prefill", engine_id="P", seed=SEED, host=netns["pip"],
+               netns=netns["p"], env={**env, "UCX_NET_DEVICES": netns["pdev"]})
+    d = SimPod(cluster, ns, "d-0", role="decode", engine_id="D", seed=SEED, host=netns["dip"],
+               netns=netns["d"], env={**env, "UCX_NET_DEVICES": netns["ddev"]})
     try:
         p.start()
         d.start()
         wait_for(lambda: handshakes_ok(d) and handshakes_ok(p), timeout=60, what="preflight")
         assert api.endpoint(ns, "p-0")["spec"]["sideChannel"]["host"] == netns["pip"]
         p.call("hold", request_ids=["n1"])
-        res = d.call(
-            "pull",
-            request_id="n1",
-            remote_engine_id="P",
-            local_block_ids=LOCAL,
-            remote_block_ids=REMOTE,
-            verify_seed=SEED,
-            timeout_s=10.0,
-        )
+        res = d.call("pull", request_id="n1", remote_engine_id="P", local_block_ids=LOCAL,
+                     remote_block_ids=REMOTE, verify_seed=SEED, timeout_s=10.0)
         assert res["ok"] and res["verified"], res
         wait_for(lambda: "n1" in p.call("completions")["finished"], timeout=10, what="n1")
 
         ip("-n", netns["d"], "link", "set", netns["ddev"], "down")
         p.call("hold", request_ids=["n2"], lease_s=60)
-        cut = d.call(
-            "pull",
-            request_id="n2",
-            remote_engine_id="P",
-            local_block_ids=LOCAL,
-            remote_block_ids=REMOTE,
-            timeout_s=2.0,
-        )
+        cut = d.call("pull", request_id="n2", remote_engine_id="P", local_block_ids=LOCAL,
+                     remote_block_ids=REMOTE, timeout_s=2.0)
         assert not cut["ok"], cut
         assert cut["cause"] in ("timeout", "remote_disconnect", "transfer"), cut
         ip("-n", netns["d"], "link", "set", netns["ddev"], "up")
