@@ -232,7 +232,8 @@ def test_rbac_has_no_wildcards(name: str, rendered: dict) -> None:
 
 # The operator's own RBAC manifest: the one list of what the operator uses.
 OPERATOR_MANIFEST = REPO / "hack" / "operator-rbac.yaml"
-CLUSTER_SCOPED = {"nodes", "clusterkopfpeerings"}
+CLUSTER_SCOPED = {"nodes", "clusterkopfpeerings", "customresourcedefinitions", "namespaces"}
+KOPF_NAMESPACED_EXTRA = {Rule("", "namespaces", v) for v in ("list", "watch")}
 AGENT = {
     *(Rule("kvbridge.io", "kvendpoints", v) for v in ("create", "get", "update", "patch")),
     *(Rule("kvbridge.io", "kvendpoints/status", v) for v in ("get", "update", "patch")),
@@ -275,8 +276,9 @@ def test_operator_rbac_cluster_scope() -> None:
 
 def test_operator_rbac_namespaced_scope(rendered: dict) -> None:
     """Namespaced scope: the manifest's namespaced rules in a Role per watched namespace, only
-    the cluster-scoped reads in a ClusterRole."""
-    manifest = _manifest_rules() - _peering("clusterkopfpeerings")
+    the cluster-scoped reads in a ClusterRole, plus the namespace list/watch that kopf needs
+    in namespaced mode only (the manifest describes the cluster-wide operator)."""
+    manifest = _manifest_rules() - _peering("clusterkopfpeerings") | KOPF_NAMESPACED_EXTRA
     objs = rendered["namespaced"]
     roles = _operator_roles(objs)
     ns_roles = {r["metadata"]["namespace"]: r for r in roles if r["kind"] == "Role"}
@@ -372,6 +374,8 @@ def test_operator_command_line(rendered: dict) -> None:
 
     cmd = _command(rendered["cluster-wide"])
     assert {"--debug", "--log-format=json", "--priority=10", "--log-refkey=kvbridge"} <= set(cmd)
+    assert _env(rendered["cluster-wide"])["KVBRIDGE_KOPF_LOG_LEVEL"] == "DEBUG"
+    assert "KVBRIDGE_KOPF_LOG_LEVEL" not in _env(rendered["defaults"])
     assert _env(rendered["cluster-wide"])["KVBRIDGE_PEERING"] == "kvbridge-prod"
     # No peering object, no peering: the operator runs standalone.
     assert _env(rendered["minimal"])["KVBRIDGE_PEERING"] == ""

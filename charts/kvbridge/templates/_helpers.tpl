@@ -199,11 +199,25 @@ compares the two). KVEndpoints are only read: the agents own their spec.
 {{- end }}
 {{- end }}
 
-{{/* Rules on cluster-scoped objects: node labels (TopologyAware pairing) and the cluster peering. */}}
+{{/*
+Rules on cluster-scoped objects: node labels (TopologyAware pairing), CRDs (kopf notices
+resources appearing and disappearing at run time), namespaces (namespaced kopf only) and the
+cluster peering.
+*/}}
 {{- define "kvbridge.operatorClusterRules" -}}
 - apiGroups: [""]
   resources: ["nodes"]
   verbs: ["get", "list", "watch"]
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- if eq .Values.operator.scope "namespaced" }}
+{{- /* A namespaced kopf lists and watches namespaces to match its --namespace patterns;
+without it, it retries for about a minute before starting. */}}
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+{{- end }}
 {{- if and (include "kvbridge.peeringRendered" .) (eq .Values.operator.scope "cluster") }}
 - apiGroups: ["kopf.dev"]
   resources: ["clusterkopfpeerings"]
