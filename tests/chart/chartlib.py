@@ -23,9 +23,13 @@ NAMESPACE = "kvbridge-system"
 
 # Kinds (by apiVersion) that Kubernetes 1.20 serves; the chart's kubeVersion floor.
 K8S_120_KINDS = {
-    ("v1", "ServiceAccount"), ("v1", "Service"), ("v1", "Secret"), ("v1", "ConfigMap"),
+    ("v1", "ServiceAccount"),
+    ("v1", "Service"),
+    ("v1", "Secret"),
+    ("v1", "ConfigMap"),
     ("apps/v1", "Deployment"),
-    ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
     ("rbac.authorization.k8s.io/v1", "ClusterRole"),
     ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"),
     ("admissionregistration.k8s.io/v1", "ValidatingWebhookConfiguration"),
@@ -34,9 +38,11 @@ K8S_120_KINDS = {
 }
 # Kinds from CRDs: ours (crds/) and the optional integrations.
 CRD_KINDS = {
-    ("kopf.dev/v1", "ClusterKopfPeering"), ("kopf.dev/v1", "KopfPeering"),
+    ("kopf.dev/v1", "ClusterKopfPeering"),
+    ("kopf.dev/v1", "KopfPeering"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
-    ("cert-manager.io/v1", "Certificate"), ("cert-manager.io/v1", "Issuer"),
+    ("cert-manager.io/v1", "Certificate"),
+    ("cert-manager.io/v1", "Issuer"),
 }
 
 
@@ -60,7 +66,10 @@ def helm(*args: str, timeout: float = 120, env: dict[str, str] | None = None) ->
     if exe is None:
         raise HelmError("helm not found (run hack/test-stack.sh ensure)")
     proc = subprocess.run(
-        [exe, *args], capture_output=True, text=True, timeout=timeout,
+        [exe, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env={**os.environ, **(env or {})},
     )
     if proc.returncode != 0:
@@ -161,24 +170,38 @@ class Kube:
         }
 
     def helm(self, *args: str, check: bool = True, timeout: float = 120) -> str:
-        proc = subprocess.run([str(self.cluster.binaries.helm), *args], capture_output=True,
-                              text=True, env=self.env(), timeout=timeout, check=False)
+        proc = subprocess.run(
+            [str(self.cluster.binaries.helm), *args],
+            capture_output=True,
+            text=True,
+            env=self.env(),
+            timeout=timeout,
+            check=False,
+        )
         if check and proc.returncode != 0:
-            raise HelmError(f"helm {' '.join(args)} failed ({proc.returncode}):\n"
-                            f"{proc.stdout}{proc.stderr}")
+            raise HelmError(
+                f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}"
+            )
         return proc.stdout + proc.stderr
 
-    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
-                kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self,
+        *args: str,
+        check: bool = True,
+        input: str | None = None,
+        kubeconfig: Path | None = None,
+    ) -> subprocess.CompletedProcess[str]:
         proc = self.cluster.kubectl(*args, check=False, input=input, kubeconfig=kubeconfig)
         if check and proc.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}):\n"
-                                 f"{proc.stdout}{proc.stderr}")
+            raise AssertionError(
+                f"kubectl {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}"
+            )
         return proc
 
     def get(self, *args: str, kubeconfig: Path | None = None) -> dict[str, Any]:
-        return yaml.safe_load(self.kubectl("get", *args, "-o", "yaml",
-                                           kubeconfig=kubeconfig).stdout)
+        return yaml.safe_load(
+            self.kubectl("get", *args, "-o", "yaml", kubeconfig=kubeconfig).stdout
+        )
 
     def exists(self, *args: str) -> bool:
         return self.kubectl("get", *args, check=False).returncode == 0
@@ -187,8 +210,14 @@ class Kube:
         """(kind, namespace, name) of every listable object except events and leases."""
         names = self.kubectl("api-resources", "--verbs=list", "-o", "name").stdout.split()
         kinds = [n for n in names if n.split(".")[0] not in {"events", "leases"}]
-        out = self.kubectl("get", ",".join(kinds), "-A", "--no-headers", "-o",
-                           "custom-columns=K:.kind,NS:.metadata.namespace,N:.metadata.name")
+        out = self.kubectl(
+            "get",
+            ",".join(kinds),
+            "-A",
+            "--no-headers",
+            "-o",
+            "custom-columns=K:.kind,NS:.metadata.namespace,N:.metadata.name",
+        )
         return {tuple(line.split()) for line in out.stdout.splitlines() if line.strip()}
 
     def create_namespace(self, name: str) -> None:
@@ -196,16 +225,25 @@ class Kube:
             self.kubectl("create", "namespace", name)
         # The namespace's default ServiceAccount (and on 1.20 its token Secret) appear
         # asynchronously; wait so that snapshots taken later do not count them as new.
-        wait_for(lambda: self.kubectl("get", "secrets", "-n", name, "-o", "name").stdout
-                 .count("default-token-") == 1, f"default token in {name}", timeout=30)
+        wait_for(
+            lambda: (
+                self.kubectl("get", "secrets", "-n", name, "-o", "name").stdout.count(
+                    "default-token-"
+                )
+                == 1
+            ),
+            f"default token in {name}",
+            timeout=30,
+        )
 
     def token_kubeconfig(self, namespace: str, service_account: str) -> Path:
         token = self.cluster.service_account_token(namespace, service_account)
         return self.cluster.kubeconfig_for_token(token, f"{namespace}-{service_account}")
 
 
-def wait_for(pred: Callable[[], Any], what: str, timeout: float = 30.0,
-             interval: float = 0.2) -> Any:
+def wait_for(
+    pred: Callable[[], Any], what: str, timeout: float = 30.0, interval: float = 0.2
+) -> Any:
     """Poll ``pred`` until it returns something truthy; fail naming ``what`` at the deadline."""
     deadline = time.monotonic() + timeout
     last: Any = None

@@ -21,6 +21,7 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
     except kvbridge_cluster.StackMissingError as exc:
         pytest.skip(str(exc))
     cluster = kvbridge_cluster.LocalCluster(
-        workdir=tmp_path_factory.mktemp("chart-cluster"), binaries=binaries)
+        workdir=tmp_path_factory.mktemp("chart-cluster"), binaries=binaries
+    )
     with cluster:
         yield Kube(cluster=cluster, helm_home=tmp_path_factory.mktemp("helm"))

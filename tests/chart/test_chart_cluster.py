@@ -30,15 +30,22 @@ pytestmark = pytest.mark.k8s
 
 NS = "kvbridge-system"
 RELEASE = "kvbridge"
-CRDS = {"kvtransfers.kvbridge.io", "kvendpoints.kvbridge.io", "clusterkopfpeerings.kopf.dev",
-        "kopfpeerings.kopf.dev"}
+CRDS = {
+    "kvtransfers.kvbridge.io",
+    "kvendpoints.kvbridge.io",
+    "clusterkopfpeerings.kopf.dev",
+    "kopfpeerings.kopf.dev",
+}
 
 
 def _left_behind(before: set, after: set) -> set:
     """New objects, less the ones Helm documents as kept (CRDs, and the API groups they add)."""
-    return {o for o in after - before
-            if o[0] != "CustomResourceDefinition"
-            and not (o[0] == "APIService" and o[2] in {"v1alpha1.kvbridge.io", "v1.kopf.dev"})}
+    return {
+        o
+        for o in after - before
+        if o[0] != "CustomResourceDefinition"
+        and not (o[0] == "APIService" and o[2] in {"v1alpha1.kvbridge.io", "v1.kopf.dev"})
+    }
 
 
 def _uninstall(kube: Kube, release: str, namespace: str) -> None:
@@ -49,8 +56,7 @@ def test_dry_run_server_creates_nothing(kube: Kube) -> None:
     kube.create_namespace(NS)
     before = kube.snapshot()
     out = kube.helm("install", RELEASE, str(CHART), "-n", NS, "--dry-run=server")
-    manifest = [d for d in yaml.safe_load_all(out.split("MANIFEST:", 1)[1].split("NOTES:")[0])
-                if d]
+    manifest = [d for d in yaml.safe_load_all(out.split("MANIFEST:", 1)[1].split("NOTES:")[0]) if d]
     kinds = {d["kind"] for d in manifest}
     assert {"Deployment", "ClusterRole", "ValidatingWebhookConfiguration", "Secret"} <= kinds
     assert kube.snapshot() == before, "--dry-run=server changed the cluster"
@@ -81,31 +87,51 @@ def test_install_upgrade_uninstall(kube: Kube) -> None:
         assert dep["spec"]["replicas"] == 1
         assert "--debug" not in _command(kube)
         assert kube.exists("clusterkopfpeering", "kvbridge")
-        for obj in (("serviceaccount", "kvbridge-agent"), ("role", "kvbridge-agent"),
-                    ("service", "kvbridge-webhook"), ("service", "kvbridge-metrics")):
+        for obj in (
+            ("serviceaccount", "kvbridge-agent"),
+            ("role", "kvbridge-agent"),
+            ("service", "kvbridge-webhook"),
+            ("service", "kvbridge-metrics"),
+        ):
             assert kube.exists(*obj, "-n", NS), obj
         secret = kube.get("secret", "kvbridge-webhook-tls", "-n", NS)
         vwc = kube.get("validatingwebhookconfiguration", RELEASE)
         assert {w["clientConfig"]["caBundle"] for w in vwc["webhooks"]} == {
-            secret["data"]["ca.crt"]}
+            secret["data"]["ca.crt"]
+        }
         # The controller-manager acts on the Deployment (no kubelet, so pods stay Pending).
-        wait_for(lambda: kube.kubectl("get", "replicasets", "-n", NS, "-o", "name").stdout,
-                 "a ReplicaSet for the operator Deployment")
+        wait_for(
+            lambda: kube.kubectl("get", "replicasets", "-n", NS, "-o", "name").stdout,
+            "a ReplicaSet for the operator Deployment",
+        )
 
         kube.helm("upgrade", RELEASE, str(CHART), "-n", NS, "--set", "operator.logLevel=debug")
         assert "--debug" in _command(kube)
         dep2 = kube.get("deployment", RELEASE, "-n", NS)
         assert dep2["metadata"]["generation"] > dep["metadata"]["generation"]
-        wait_for(lambda: len(kube.kubectl("get", "replicasets", "-n", NS, "-o", "name")
-                             .stdout.split()) == 2, "a second ReplicaSet after the upgrade")
+        wait_for(
+            lambda: (
+                len(kube.kubectl("get", "replicasets", "-n", NS, "-o", "name").stdout.split()) == 2
+            ),
+            "a second ReplicaSet after the upgrade",
+        )
         # The generated webhook certificate survives upgrades (lookup), and so does the bundle.
         assert kube.get("secret", "kvbridge-webhook-tls", "-n", NS)["data"] == secret["data"]
         vwc2 = kube.get("validatingwebhookconfiguration", RELEASE)
         assert [w["clientConfig"]["caBundle"] for w in vwc2["webhooks"]] == [
-            w["clientConfig"]["caBundle"] for w in vwc["webhooks"]]
+            w["clientConfig"]["caBundle"] for w in vwc["webhooks"]
+        ]
 
-        kube.helm("upgrade", RELEASE, str(CHART), "-n", NS, "--reuse-values",
-                  "--set", "operator.replicas=0")
+        kube.helm(
+            "upgrade",
+            RELEASE,
+            str(CHART),
+            "-n",
+            NS,
+            "--reuse-values",
+            "--set",
+            "operator.replicas=0",
+        )
         assert kube.get("deployment", RELEASE, "-n", NS)["spec"]["replicas"] == 0
         assert "--debug" in _command(kube)
         history = kube.helm("history", RELEASE, "-n", NS, "-o", "yaml")
@@ -115,8 +141,12 @@ def test_install_upgrade_uninstall(kube: Kube) -> None:
 
     assert not kube.exists("deployment", RELEASE, "-n", NS)
     # ReplicaSets, pods and token Secrets go with their owners, asynchronously.
-    wait_for(lambda: not _left_behind(before, kube.snapshot()),
-             "nothing but the CRDs left after helm uninstall", timeout=60, interval=1)
+    wait_for(
+        lambda: not _left_behind(before, kube.snapshot()),
+        "nothing but the CRDs left after helm uninstall",
+        timeout=60,
+        interval=1,
+    )
     assert {o[2] for o in kube.snapshot() if o[0] == "CustomResourceDefinition"} >= CRDS
 
 
@@ -125,12 +155,14 @@ def test_namespaced_install(kube: Kube) -> None:
         kube.create_namespace(ns)
     before = kube.snapshot()
     try:
-        kube.helm("install", RELEASE, str(CHART), "-n", NS, "-f",
-                  str(values_file("namespaced")))
+        kube.helm("install", RELEASE, str(CHART), "-n", NS, "-f", str(values_file("namespaced")))
         for ns in ("team-a", "team-b"):
             role = kube.get("role", RELEASE, "-n", ns)
             assert {r for rule in role["rules"] for r in rule["resources"]} >= {
-                "kvtransfers", "kvendpoints", "kopfpeerings"}
+                "kvtransfers",
+                "kvendpoints",
+                "kopfpeerings",
+            }
             assert kube.exists("kopfpeering", "kvbridge", "-n", ns)
             assert kube.exists("rolebinding", "kvbridge-agent", "-n", ns)
         assert not kube.exists("clusterkopfpeering", "kvbridge")
@@ -138,16 +170,29 @@ def test_namespaced_install(kube: Kube) -> None:
         assert "--namespace=team-a" in _command(kube)
     finally:
         _uninstall(kube, RELEASE, NS)
-    wait_for(lambda: not _left_behind(before, kube.snapshot()),
-             "nothing but the CRDs left after helm uninstall", timeout=60, interval=1)
+    wait_for(
+        lambda: not _left_behind(before, kube.snapshot()),
+        "nothing but the CRDs left after helm uninstall",
+        timeout=60,
+        interval=1,
+    )
 
 
 def _can_i(kube: Kube, sa: str, verb: str, resource: str, namespace: str) -> bool:
     # "kind/x" would mean the object named x: subresources go in --subresource.
     resource, _, sub = resource.partition("/")
     extra = [f"--subresource={sub}"] if sub else []
-    proc = kube.kubectl("auth", "can-i", verb, resource, *extra, "-n", namespace,
-                        f"--as=system:serviceaccount:{NS}:{sa}", check=False)
+    proc = kube.kubectl(
+        "auth",
+        "can-i",
+        verb,
+        resource,
+        *extra,
+        "-n",
+        namespace,
+        f"--as=system:serviceaccount:{NS}:{sa}",
+        check=False,
+    )
     return proc.stdout.strip() == "yes"
 
 
@@ -220,14 +265,18 @@ def _local_env(kube: Kube, work: Path, ports: dict[str, int]) -> dict[str, str]:
         (mount / key).write_bytes(base64.b64decode(secret[key]))
     assert env["KVBRIDGE_WEBHOOK_CERT"].endswith("/tls.crt")
     assert env["KVBRIDGE_WEBHOOK_KEY"].endswith("/tls.key")
-    env.update({
-        "POD_ID": "kvbridge-chart-test",
-        "KVBRIDGE_METRICS_PORT": str(ports["metrics"]), "KVBRIDGE_METRICS_ADDR": "127.0.0.1",
-        "KVBRIDGE_WEBHOOK_PORT": str(ports["webhook"]), "KVBRIDGE_WEBHOOK_ADDR": "127.0.0.1",
-        "KVBRIDGE_WEBHOOK_CERT": str(mount / "tls.crt"),
-        "KVBRIDGE_WEBHOOK_KEY": str(mount / "tls.key"),
-        "KVBRIDGE_DEBOUNCE": "0.1",
-    })
+    env.update(
+        {
+            "POD_ID": "kvbridge-chart-test",
+            "KVBRIDGE_METRICS_PORT": str(ports["metrics"]),
+            "KVBRIDGE_METRICS_ADDR": "127.0.0.1",
+            "KVBRIDGE_WEBHOOK_PORT": str(ports["webhook"]),
+            "KVBRIDGE_WEBHOOK_ADDR": "127.0.0.1",
+            "KVBRIDGE_WEBHOOK_CERT": str(mount / "tls.crt"),
+            "KVBRIDGE_WEBHOOK_KEY": str(mount / "tls.key"),
+            "KVBRIDGE_DEBOUNCE": "0.1",
+        }
+    )
     return env
 
 
@@ -235,15 +284,30 @@ def _review(port: int, ca: Path, path: str, obj: dict[str, Any]) -> dict[str, An
     """Send an AdmissionReview the way the API server would: TLS verified against the chart's
     caBundle for the webhook Service's DNS name, to the path the chart configured."""
     ctx = ssl.create_default_context(cafile=str(ca))
-    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
-        "uid": "chart-test", "operation": "CREATE", "object": obj, "oldObject": None,
-        "kind": {"group": "kvbridge.io", "version": "v1alpha1", "kind": obj["kind"]},
-        "resource": {"group": "kvbridge.io", "version": "v1alpha1",
-                     "resource": f"{obj['kind'].lower()}s"},
-        "namespace": SERVING, "name": obj["metadata"]["name"], "dryRun": False,
-        "userInfo": {"username": "system:serviceaccount:serving:kvbridge-agent"}}}
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
-            ctx.wrap_socket(raw, server_hostname=WEBHOOK_HOST) as tls:
+    review = {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "chart-test",
+            "operation": "CREATE",
+            "object": obj,
+            "oldObject": None,
+            "kind": {"group": "kvbridge.io", "version": "v1alpha1", "kind": obj["kind"]},
+            "resource": {
+                "group": "kvbridge.io",
+                "version": "v1alpha1",
+                "resource": f"{obj['kind'].lower()}s",
+            },
+            "namespace": SERVING,
+            "name": obj["metadata"]["name"],
+            "dryRun": False,
+            "userInfo": {"username": "system:serviceaccount:serving:kvbridge-agent"},
+        },
+    }
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        ctx.wrap_socket(raw, server_hostname=WEBHOOK_HOST) as tls,
+    ):
         conn = http.client.HTTPConnection(WEBHOOK_HOST)
         conn.sock = tls
         conn.request("POST", path, json.dumps(review), {"Content-Type": "application/json"})
@@ -269,8 +333,12 @@ def _deployment_operator(kube: Kube, work: Path, ports: dict[str, int]) -> Any:
             self.starts += 1
             env = {**os.environ, **self.env, "KUBECONFIG": str(self.kubeconfig)}
             with open(self.log_path, "wb") as out:
-                self.proc = subprocess.Popen([sys.executable, "-m", "kopf", "run", *args],
-                                             stdout=out, stderr=subprocess.STDOUT, env=env)
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "kopf", "run", *args],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                )
 
             def alive() -> bool:
                 if self.proc is not None and self.proc.poll() is not None:
@@ -283,14 +351,17 @@ def _deployment_operator(kube: Kube, work: Path, ports: dict[str, int]) -> Any:
 
             wait_for(alive, "operator liveness", timeout=timeout)
 
-    return DeploymentOperator(kube.token_kubeconfig(NS, "kvbridge"), work,
-                              _local_env(kube, work, ports), ports)
+    return DeploymentOperator(
+        kube.token_kubeconfig(NS, "kvbridge"), work, _local_env(kube, work, ports), ports
+    )
 
 
 SCOPES = {
     "cluster": {"agent": {"namespaces": [SERVING]}},
-    "namespaced": {"operator": {"scope": "namespaced", "watchNamespaces": [SERVING]},
-                   "agent": {"namespaces": [SERVING]}},
+    "namespaced": {
+        "operator": {"scope": "namespaced", "watchNamespaces": [SERVING]},
+        "agent": {"namespaces": [SERVING]},
+    },
 }
 
 
@@ -313,10 +384,14 @@ def test_operator_reconciles_with_the_chart_service_account(
     values = tmp_path / "values.yaml"
     # The API server cannot reach Services here (no kube-proxy): keep it from calling the
     # webhook, which this test calls directly instead.
-    values.write_text(yaml.safe_dump({
-        **SCOPES[scope],
-        "webhook": {"namespaceSelector": {"matchLabels": {"kvbridge.io/webhook": "on"}}},
-    }))
+    values.write_text(
+        yaml.safe_dump(
+            {
+                **SCOPES[scope],
+                "webhook": {"namespaceSelector": {"matchLabels": {"kvbridge.io/webhook": "on"}}},
+            }
+        )
+    )
     op: Any = None
     try:
         kube.helm("install", RELEASE, str(CHART), "-n", NS, "-f", str(values))
@@ -328,35 +403,64 @@ def test_operator_reconciles_with_the_chart_service_account(
         with kvbridge_cluster.FakeKubelet(kube.cluster.api_client(), {"node-a": {}}):
             op.start()
             admin = Api(kube.cluster.api_client())
-            agent = Api(kube.cluster.api_client(kube.token_kubeconfig(SERVING,
-                                                                      "kvbridge-agent")))
+            agent = Api(kube.cluster.api_client(kube.token_kubeconfig(SERVING, "kvbridge-agent")))
             admin.create_transfer(SERVING, prefill_tp=2, decode_tp=1)
             engines = {"p0": ("prefill", 2), "d0": ("decode", 1), "d1": ("decode", 1)}
             for engine, (role, tp) in engines.items():
                 for rank in range(tp):
                     name = f"{engine}-{rank}"
-                    admin.core.create_namespaced_pod(SERVING, {
-                        "metadata": {"name": name, "labels": {"kvbridge.io/agent": "true"}},
-                        "spec": {"serviceAccountName": "kvbridge-agent",
-                                 "containers": [{"name": "vllm", "image": "vllm:fake"}]}})
-                    pod = e2e_wait(lambda n=name: admin._running(SERVING, n),
-                                   what=f"pod {name} running")
+                    admin.core.create_namespaced_pod(
+                        SERVING,
+                        {
+                            "metadata": {"name": name, "labels": {"kvbridge.io/agent": "true"}},
+                            "spec": {
+                                "serviceAccountName": "kvbridge-agent",
+                                "containers": [{"name": "vllm", "image": "vllm:fake"}],
+                            },
+                        },
+                    )
+                    pod = e2e_wait(
+                        lambda n=name: admin._running(SERVING, n), what=f"pod {name} running"
+                    )
                     # The agent publishes its own endpoint, owned by its pod.
-                    agent.create(ENDPOINTS, SERVING, manifests.endpoint_manifest(
-                        name, role=role, engine_id=engine, tp_rank=rank, tp_size=tp,
-                        host=pod.status.pod_ip, pod={"name": name, "uid": pod.metadata.uid}))
+                    agent.create(
+                        ENDPOINTS,
+                        SERVING,
+                        manifests.endpoint_manifest(
+                            name,
+                            role=role,
+                            engine_id=engine,
+                            tp_rank=rank,
+                            tp_size=tp,
+                            host=pod.status.pod_ip,
+                            pod={"name": name, "uid": pod.metadata.uid},
+                        ),
+                    )
             admin.wait_condition(SERVING, "Paired", "True")
             # The examples are accepted by this API server (CRD schema, Deployment).
-            kube.kubectl("apply", "--dry-run=server", "-n", SERVING,
-                         "-f", str(REPO / "examples" / "kvtransfer.yaml"),
-                         "-f", str(REPO / "examples" / "agent-pod.yaml"))
+            kube.kubectl(
+                "apply",
+                "--dry-run=server",
+                "-n",
+                SERVING,
+                "-f",
+                str(REPO / "examples" / "kvtransfer.yaml"),
+                "-f",
+                str(REPO / "examples" / "agent-pod.yaml"),
+            )
 
             # Decode agents read their own endpoint (get only) and report their handshakes.
             for name in ("d0-0", "d1-0"):
-                peers = e2e_wait(lambda n=name: (agent.endpoint(SERVING, n).get("status")
-                                                 or {}).get("peers"), what=f"{name} peers")
-                agent.patch_status(ENDPOINTS, SERVING, name, {"handshakes": [
-                    manifests.handshake(p["name"], p["epoch"]) for p in peers]})
+                peers = e2e_wait(
+                    lambda n=name: (agent.endpoint(SERVING, n).get("status") or {}).get("peers"),
+                    what=f"{name} peers",
+                )
+                agent.patch_status(
+                    ENDPOINTS,
+                    SERVING,
+                    name,
+                    {"handshakes": [manifests.handshake(p["name"], p["epoch"]) for p in peers]},
+                )
             admin.wait_condition(SERVING, "Ready", "True", reason="AllPairsVerified")
             assert admin.endpoint(SERVING, "p0-0")["status"]["state"] == "Paired"
             with pytest.raises(ApiException) as denied:
@@ -364,15 +468,19 @@ def test_operator_reconciles_with_the_chart_service_account(
             assert denied.value.status == 403
 
             # The admission webhook, with the chart's certificate, at the chart's paths.
-            (vwc,) = kube.get("validatingwebhookconfigurations",
-                              f"-l=app.kubernetes.io/instance={RELEASE}")["items"]
-            paths = {w["rules"][0]["resources"][0]: w["clientConfig"]["service"]["path"]
-                     for w in vwc["webhooks"]}
+            (vwc,) = kube.get(
+                "validatingwebhookconfigurations", f"-l=app.kubernetes.io/instance={RELEASE}"
+            )["items"]
+            paths = {
+                w["rules"][0]["resources"][0]: w["clientConfig"]["service"]["path"]
+                for w in vwc["webhooks"]
+            }
             ca = work / "webhook-tls" / "ca.crt"
             ok = manifests.endpoint_manifest("d9-0", role="decode", engine_id="d9")
             assert _review(ports["webhook"], ca, paths[ENDPOINTS], ok)["allowed"] is True
-            bad = manifests.endpoint_manifest("d9-0", role="decode", engine_id="d9",
-                                              tp_rank=3, tp_size=2)
+            bad = manifests.endpoint_manifest(
+                "d9-0", role="decode", engine_id="d9", tp_rank=3, tp_size=2
+            )
             verdict = _review(ports["webhook"], ca, paths[ENDPOINTS], bad)
             assert verdict["allowed"] is False and "spec.tpRank" in verdict["status"]["message"]
             kvt = manifests.transfer_manifest("kvt", SERVING)
@@ -381,21 +489,30 @@ def test_operator_reconciles_with_the_chart_service_account(
             # Deletion runs the finalizer handler under the same token.
             admin.delete(TRANSFERS, SERVING, "kvt")
             e2e_wait(lambda: not admin.list(TRANSFERS, SERVING), what="KVTransfer deleted")
-            assert "kvbridge_reconciles_total" in urllib.request.urlopen(
-                op.metrics_url, timeout=5).read().decode()
+            assert (
+                "kvbridge_reconciles_total"
+                in urllib.request.urlopen(op.metrics_url, timeout=5).read().decode()
+            )
             log = op.log()
             assert "Traceback" not in log, log[-4000:]
-            denials = [line for line in log.splitlines()
-                       if "Forbidden" in line or "Not enough permissions" in line]
+            denials = [
+                line
+                for line in log.splitlines()
+                if "Forbidden" in line or "Not enough permissions" in line
+            ]
             assert not denials, "\n".join(denials)
             op.stop()
             for name in ("p0-0", "p0-1", "d0-0", "d1-0"):
                 admin.core.delete_namespaced_pod(name, SERVING)
-            e2e_wait(lambda: not admin.core.list_namespaced_pod(SERVING).items,
-                     what="serving pods gone")
+            e2e_wait(
+                lambda: not admin.core.list_namespaced_pod(SERVING).items, what="serving pods gone"
+            )
             # The agent made each pod its endpoint's owner: the garbage collector cleans up.
-            e2e_wait(lambda: not admin.list(ENDPOINTS, SERVING), timeout=60,
-                     what="KVEndpoints garbage-collected with their pods")
+            e2e_wait(
+                lambda: not admin.list(ENDPOINTS, SERVING),
+                timeout=60,
+                what="KVEndpoints garbage-collected with their pods",
+            )
     finally:
         if op is not None:
             op.stop()

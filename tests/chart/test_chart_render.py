@@ -33,8 +33,9 @@ from chartlib import (
     values_files,
 )
 
-pytestmark = pytest.mark.skipif(tool("helm") is None,
-                                reason="helm missing: run hack/test-stack.sh ensure")
+pytestmark = pytest.mark.skipif(
+    tool("helm") is None, reason="helm missing: run hack/test-stack.sh ensure"
+)
 
 # The oldest schema set kubernetes-validate ships; the chart itself targets >= 1.20 (checked
 # separately against K8S_120_KINDS).
@@ -49,8 +50,13 @@ def rendered() -> dict[str, list[dict[str, Any]]]:
 
 
 def test_values_files_cover_the_required_setups() -> None:
-    assert {"defaults", "cluster-wide", "namespaced", "cert-manager",
-            "networkpolicy-servicemonitor"} <= set(VALUES)
+    assert {
+        "defaults",
+        "cluster-wide",
+        "namespaced",
+        "cert-manager",
+        "networkpolicy-servicemonitor",
+    } <= set(VALUES)
 
 
 @pytest.mark.parametrize("name", VALUES)
@@ -66,8 +72,12 @@ def test_crds_are_identical_to_the_source() -> None:
     assert sorted(dst) == sorted(src), "charts/kvbridge/crds/ has other files than crds/"
     drifted = [n for n in src if src[n] != dst[n]]
     assert not drifted, f"chart CRDs drifted from crds/: {drifted}; run charts/sync-crds.sh"
-    proc = subprocess.run([str(REPO / "charts" / "sync-crds.sh"), "--check"],
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [str(REPO / "charts" / "sync-crds.sh"), "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -88,8 +98,9 @@ def _crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
                 continue
             spec = crd["spec"]
             for v in spec["versions"]:
-                out[(f"{spec['group']}/{v['name']}", spec["names"]["kind"])] = (
-                    v["schema"]["openAPIV3Schema"])
+                out[(f"{spec['group']}/{v['name']}", spec["names"]["kind"])] = v["schema"][
+                    "openAPIV3Schema"
+                ]
     return out
 
 
@@ -120,8 +131,12 @@ def test_every_object_validates_strictly(name: str, rendered: dict) -> None:
             jsonschema.validate(obj, crd_schemas[key])
         else:
             _check_integration_object(obj)
-        if obj["kind"] not in {"ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering",
-                               "ValidatingWebhookConfiguration"}:
+        if obj["kind"] not in {
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "ClusterKopfPeering",
+            "ValidatingWebhookConfiguration",
+        }:
             assert obj["metadata"].get("namespace"), f"{key} {obj['metadata']['name']}: namespace"
         assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
 
@@ -129,7 +144,9 @@ def test_every_object_validates_strictly(name: str, rendered: dict) -> None:
 def test_included_crds_validate_strictly() -> None:
     crds = [o for o in render(include_crds=True) if o["kind"] == "CustomResourceDefinition"]
     assert {c["metadata"]["name"] for c in crds} >= {
-        "kvtransfers.kvbridge.io", "kvendpoints.kvbridge.io"}
+        "kvtransfers.kvbridge.io",
+        "kvendpoints.kvbridge.io",
+    }
     for crd in crds:
         _validate_k8s(crd)
 
@@ -181,8 +198,13 @@ def test_schema_rejects_bad_values(sets: list[str], fragment: str) -> None:
 
 
 # Values that are Kubernetes structs passed through as a whole: one comment covers the block.
-K8S_STRUCTS = {"operator.resources", "operator.livenessProbe", "operator.readinessProbe",
-               "networkPolicy.podSelector", "networkPolicy.peerSelector"}
+K8S_STRUCTS = {
+    "operator.resources",
+    "operator.livenessProbe",
+    "operator.readinessProbe",
+    "networkPolicy.podSelector",
+    "networkPolicy.peerSelector",
+}
 
 
 def test_schema_describes_every_value() -> None:
@@ -216,6 +238,7 @@ def _commented(lines: list[str], key: str, value: Any) -> bool:
 
 
 # --- RBAC -----------------------------------------------------------------------------------
+
 
 def _roles(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return by_kind(objs, "Role") + by_kind(objs, "ClusterRole")
@@ -252,8 +275,11 @@ def _peering(resource: str) -> set[Rule]:
 
 
 def _operator_roles(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in _roles(objs)
-            if r["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"]
+    return [
+        r
+        for r in _roles(objs)
+        if r["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+    ]
 
 
 def test_operator_rbac_cluster_scope() -> None:
@@ -266,12 +292,14 @@ def test_operator_rbac_cluster_scope() -> None:
     assert expand_rules(role["rules"]) == manifest - _peering("kopfpeerings")
     binding = one(objs, "ClusterRoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvbridge",
-                                    "namespace": NAMESPACE}]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "kvbridge", "namespace": NAMESPACE}
+    ]
     # Without peering (or before the kopf.dev API exists) no peering rules either.
     (role,) = _operator_roles(render(sets=["operator.peering.enabled=false"]))
     assert expand_rules(role["rules"]) == manifest - _peering("kopfpeerings") - _peering(
-        "clusterkopfpeerings")
+        "clusterkopfpeerings"
+    )
 
 
 def test_operator_rbac_namespaced_scope(rendered: dict) -> None:
@@ -284,17 +312,21 @@ def test_operator_rbac_namespaced_scope(rendered: dict) -> None:
     ns_roles = {r["metadata"]["namespace"]: r for r in roles if r["kind"] == "Role"}
     assert sorted(ns_roles) == ["team-a", "team-b"]
     for role in ns_roles.values():
-        assert expand_rules(role["rules"]) == {r for r in manifest
-                                               if r.resource not in CLUSTER_SCOPED}
+        assert expand_rules(role["rules"]) == {
+            r for r in manifest if r.resource not in CLUSTER_SCOPED
+        }
     (cluster_role,) = [r for r in roles if r["kind"] == "ClusterRole"]
-    assert expand_rules(cluster_role["rules"]) == {r for r in manifest
-                                                   if r.resource in CLUSTER_SCOPED}
+    assert expand_rules(cluster_role["rules"]) == {
+        r for r in manifest if r.resource in CLUSTER_SCOPED
+    }
     bindings = [b for b in by_kind(objs, "RoleBinding") if b["roleRef"]["name"] == "kvbridge"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     for b in bindings:
         assert b["subjects"][0]["namespace"] == NAMESPACE
     assert {p["metadata"]["namespace"] for p in by_kind(objs, "KopfPeering")} == {
-        "team-a", "team-b"}
+        "team-a",
+        "team-b",
+    }
     assert not by_kind(objs, "ClusterKopfPeering")
 
 
@@ -309,8 +341,9 @@ def test_namespaced_scope_defaults_to_the_release_namespace() -> None:
 @pytest.mark.parametrize("name", VALUES)
 def test_agent_rbac_is_exactly_endpoint_publishing(name: str, rendered: dict) -> None:
     objs = rendered[name]
-    agent_roles = [r for r in _roles(objs)
-                   if r["metadata"]["labels"]["app.kubernetes.io/component"] == "agent"]
+    agent_roles = [
+        r for r in _roles(objs) if r["metadata"]["labels"]["app.kubernetes.io/component"] == "agent"
+    ]
     assert all(r["kind"] == "Role" for r in agent_roles)
     for role in agent_roles:
         assert expand_rules(role["rules"]) == AGENT
@@ -318,22 +351,30 @@ def test_agent_rbac_is_exactly_endpoint_publishing(name: str, rendered: dict) ->
 
 def test_agent_objects_per_namespace(rendered: dict) -> None:
     objs = rendered["cluster-wide"]
-    sas = {(s["metadata"]["namespace"], s["metadata"]["name"])
-           for s in by_kind(objs, "ServiceAccount")}
+    sas = {
+        (s["metadata"]["namespace"], s["metadata"]["name"]) for s in by_kind(objs, "ServiceAccount")
+    }
     assert {("serving-a", "kvbridge-agent"), ("serving-b", "kvbridge-agent")} <= sas
     for ns in ("serving-a", "serving-b"):
-        rb = one([b for b in by_kind(objs, "RoleBinding") if b["metadata"]["namespace"] == ns],
-                 "RoleBinding")
-        assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                 "name": "kvbridge-agent"}
+        rb = one(
+            [b for b in by_kind(objs, "RoleBinding") if b["metadata"]["namespace"] == ns],
+            "RoleBinding",
+        )
+        assert rb["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": "kvbridge-agent",
+        }
         assert [s["name"] for s in rb["subjects"]] == ["kvbridge-agent", "vllm"]
         assert {s["namespace"] for s in rb["subjects"]} == {ns}
     assert not _roles(rendered["minimal"]) or all(
         r["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
-        for r in _roles(rendered["minimal"]))
+        for r in _roles(rendered["minimal"])
+    )
 
 
 # --- Deployment -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", VALUES)
 def test_containers_are_locked_down(name: str, rendered: dict) -> None:
@@ -369,7 +410,9 @@ def test_operator_command_line(rendered: dict) -> None:
 
     cmd = _command(rendered["namespaced"])
     assert [a for a in cmd if a.startswith("--namespace=")] == [
-        "--namespace=team-a", "--namespace=team-b"]
+        "--namespace=team-a",
+        "--namespace=team-b",
+    ]
     assert "--quiet" in cmd and "--all-namespaces" not in cmd
 
     cmd = _command(rendered["cluster-wide"])
@@ -404,8 +447,9 @@ def test_webhook_paths_are_the_operator_handler_ids() -> None:
     from kvbridge_operator.webhook import WEBHOOKS
 
     vwc = one(render(), "ValidatingWebhookConfiguration")
-    paths = {w["rules"][0]["resources"][0]: w["clientConfig"]["service"]["path"]
-             for w in vwc["webhooks"]}
+    paths = {
+        w["rules"][0]["resources"][0]: w["clientConfig"]["service"]["path"] for w in vwc["webhooks"]
+    }
     assert paths == {plural: f"/{hook_id}" for hook_id, plural in WEBHOOKS.items()}
 
 
@@ -421,8 +465,9 @@ def test_image_reference() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     image = one(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
     assert image == f"ghcr.io/kvbridge/kvbridge-operator:{chart['appVersion']}"
-    image = one(render(sets=["image.tag=dev"]), "Deployment")[
-        "spec"]["template"]["spec"]["containers"][0]["image"]
+    image = one(render(sets=["image.tag=dev"]), "Deployment")["spec"]["template"]["spec"][
+        "containers"
+    ][0]["image"]
     assert image.endswith(":dev")
     objs = render("cluster-wide")
     image = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
@@ -439,9 +484,11 @@ def test_chart_metadata() -> None:
 
 # --- webhook --------------------------------------------------------------------------------
 
+
 def _openssl_text(pem: bytes) -> str:
-    return subprocess.run(["openssl", "x509", "-noout", "-text"], input=pem,
-                          capture_output=True, check=True).stdout.decode()
+    return subprocess.run(
+        ["openssl", "x509", "-noout", "-text"], input=pem, capture_output=True, check=True
+    ).stdout.decode()
 
 
 def test_generated_webhook_certificate(rendered: dict, tmp_path: Path) -> None:
@@ -452,15 +499,21 @@ def test_generated_webhook_certificate(rendered: dict, tmp_path: Path) -> None:
     ca = secret["data"]["ca.crt"]
     assert all(w["clientConfig"]["caBundle"] == ca for w in vwc["webhooks"])
     cert = _openssl_text(base64.b64decode(secret["data"]["tls.crt"]))
-    for dns in ("kvbridge-webhook", f"kvbridge-webhook.{NAMESPACE}",
-                f"kvbridge-webhook.{NAMESPACE}.svc"):
+    for dns in (
+        "kvbridge-webhook",
+        f"kvbridge-webhook.{NAMESPACE}",
+        f"kvbridge-webhook.{NAMESPACE}.svc",
+    ):
         assert f"DNS:{dns}" in cert
     # The serving certificate is signed by the CA in the bundle.
     with_ca = tmp_path / "ca.pem"
     with_ca.write_bytes(base64.b64decode(ca))
-    proc = subprocess.run(["openssl", "verify", "-CAfile", str(with_ca)],
-                          input=base64.b64decode(secret["data"]["tls.crt"]),
-                          capture_output=True, check=False)
+    proc = subprocess.run(
+        ["openssl", "verify", "-CAfile", str(with_ca)],
+        input=base64.b64decode(secret["data"]["tls.crt"]),
+        capture_output=True,
+        check=False,
+    )
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
 
 
@@ -473,8 +526,7 @@ def test_webhook_configuration(rendered: dict) -> None:
         assert rule["operations"] == ["CREATE", "UPDATE"]
         plurals.update(rule["resources"])
         svc = w["clientConfig"]["service"]
-        assert (svc["name"], svc["namespace"], svc["port"]) == (
-            "kvbridge-webhook", NAMESPACE, 443)
+        assert (svc["name"], svc["namespace"], svc["port"]) == ("kvbridge-webhook", NAMESPACE, 443)
         assert w["failurePolicy"] == "Fail" and w["sideEffects"] == "None"
         assert "namespaceSelector" not in w
     assert plurals == {"kvtransfers", "kvendpoints"}
@@ -486,9 +538,9 @@ def test_webhook_configuration(rendered: dict) -> None:
     assert all("namespaceSelector" not in w for w in ns_vwc["webhooks"])
     newer = one(render("namespaced", kube_version="1.25.0"), "ValidatingWebhookConfiguration")
     for w in newer["webhooks"]:
-        assert w["namespaceSelector"]["matchExpressions"] == [{
-            "key": "kubernetes.io/metadata.name", "operator": "In",
-            "values": ["team-a", "team-b"]}]
+        assert w["namespaceSelector"]["matchExpressions"] == [
+            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "team-b"]}
+        ]
 
 
 def test_cert_manager_certificates(rendered: dict) -> None:
@@ -496,13 +548,17 @@ def test_cert_manager_certificates(rendered: dict) -> None:
     assert not by_kind(objs, "Secret"), "cert-manager writes the Secret, the chart must not"
     cert = one(objs, "Certificate")
     issuer = one(objs, "Issuer")
-    assert cert["spec"]["issuerRef"] == {"name": issuer["metadata"]["name"], "kind": "Issuer",
-                                         "group": "cert-manager.io"}
+    assert cert["spec"]["issuerRef"] == {
+        "name": issuer["metadata"]["name"],
+        "kind": "Issuer",
+        "group": "cert-manager.io",
+    }
     assert cert["spec"]["secretName"] == "kvbridge-webhook-tls"
     assert f"kvbridge-webhook.{NAMESPACE}.svc" in cert["spec"]["dnsNames"]
     vwc = one(objs, "ValidatingWebhookConfiguration")
     assert vwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == (
-        f"{NAMESPACE}/{cert['metadata']['name']}")
+        f"{NAMESPACE}/{cert['metadata']['name']}"
+    )
     assert all("caBundle" not in w["clientConfig"] for w in vwc["webhooks"])
     dep = one(objs, "Deployment")
     vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
@@ -511,13 +567,21 @@ def test_cert_manager_certificates(rendered: dict) -> None:
     objs = rendered["cert-manager-issuer"]
     assert not by_kind(objs, "Issuer")
     assert one(objs, "Certificate")["spec"]["issuerRef"] == {
-        "name": "internal-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+        "name": "internal-ca",
+        "kind": "ClusterIssuer",
+        "group": "cert-manager.io",
+    }
 
 
 def test_own_certificate_secret() -> None:
     bundle = base64.b64encode(b"-----BEGIN CERTIFICATE-----\n...").decode()
-    objs = render(sets=["webhook.certs.source=secret", "webhook.certs.secret.name=my-tls",
-                        f"webhook.certs.secret.caBundle={bundle}"])
+    objs = render(
+        sets=[
+            "webhook.certs.source=secret",
+            "webhook.certs.secret.name=my-tls",
+            f"webhook.certs.secret.caBundle={bundle}",
+        ]
+    )
     assert not by_kind(objs, "Secret") and not by_kind(objs, "Certificate")
     vwc = one(objs, "ValidatingWebhookConfiguration")
     assert {w["clientConfig"]["caBundle"] for w in vwc["webhooks"]} == {bundle}
@@ -536,15 +600,18 @@ def test_webhook_disabled(rendered: dict) -> None:
 
 # --- metrics and NetworkPolicy --------------------------------------------------------------
 
+
 def test_metrics_service_and_servicemonitor(rendered: dict) -> None:
     objs = rendered["networkpolicy-servicemonitor"]
     svc = one(objs, "Service", "kvbridge-metrics")
-    assert svc["spec"]["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics",
-                                     "protocol": "TCP"}]
+    assert svc["spec"]["ports"] == [
+        {"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}
+    ]
     sm = one(objs, "ServiceMonitor")
     assert sm["metadata"]["labels"]["release"] == "prometheus"
-    assert all(svc["metadata"]["labels"][k] == v
-               for k, v in sm["spec"]["selector"]["matchLabels"].items())
+    assert all(
+        svc["metadata"]["labels"][k] == v for k, v in sm["spec"]["selector"]["matchLabels"].items()
+    )
     assert not by_kind(rendered["defaults"], "ServiceMonitor")
 
 
@@ -556,11 +623,12 @@ def test_networkpolicy(rendered: dict) -> None:
     assert spec["policyTypes"] == ["Ingress"]
     peers, open_ports, extra = spec["ingress"]
     assert peers["from"] == [{"podSelector": {"matchLabels": {"kvbridge.io/agent": "true"}}}]
-    assert peers["ports"] == [{"port": 5600, "protocol": "TCP"},
-                              {"port": 13337, "protocol": "TCP"}]
+    assert peers["ports"] == [{"port": 5600, "protocol": "TCP"}, {"port": 13337, "protocol": "TCP"}]
     assert "from" not in open_ports
-    assert open_ports["ports"] == [{"port": 8000, "protocol": "TCP"},
-                                   {"port": "metrics", "protocol": "TCP"}]
+    assert open_ports["ports"] == [
+        {"port": 8000, "protocol": "TCP"},
+        {"port": "metrics", "protocol": "TCP"},
+    ]
     assert extra["ports"] == [{"port": 9100, "protocol": "TCP"}]
     # Default: peers reach every port (UCX picks data-plane ports at run time).
     pol = one(render(sets=["networkPolicy.enabled=true"]), "NetworkPolicy")
@@ -568,6 +636,7 @@ def test_networkpolicy(rendered: dict) -> None:
 
 
 # --- examples -------------------------------------------------------------------------------
+
 
 def test_examples_fit_the_chart() -> None:
     """examples/ validate (Kubernetes schema, our CRD schema) and use what the chart grants."""
@@ -583,8 +652,12 @@ def test_examples_fit_the_chart() -> None:
     assert pod["spec"]["serviceAccountName"] == agent_sa["metadata"]["name"]
     for key, val in values["networkPolicy"]["podSelector"]["matchLabels"].items():
         assert pod["metadata"]["labels"][key] == val
-    fields = {e["valueFrom"]["fieldRef"]["fieldPath"] for c in pod["spec"]["containers"]
-              for e in c["env"] if "valueFrom" in e}
+    fields = {
+        e["valueFrom"]["fieldRef"]["fieldPath"]
+        for c in pod["spec"]["containers"]
+        for e in c["env"]
+        if "valueFrom" in e
+    }
     assert {"metadata.name", "metadata.uid", "status.podIP"} <= fields
 
 
@@ -596,6 +669,12 @@ def test_package(tmp_path: Path) -> None:
     (tgz,) = tmp_path.glob("kvbridge-*.tgz")
     with tarfile.open(tgz) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames()}
-    assert {"Chart.yaml", "values.yaml", "values.schema.json", "README.md",
-            "templates/NOTES.txt", "crds/kvbridge.io_kvtransfers.yaml"} <= names
+    assert {
+        "Chart.yaml",
+        "values.yaml",
+        "values.schema.json",
+        "README.md",
+        "templates/NOTES.txt",
+        "crds/kvbridge.io_kvtransfers.yaml",
+    } <= names
     assert all(n.startswith(("crds/", "templates/")) or "/" not in n for n in names), names
