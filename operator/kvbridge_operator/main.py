@@ -25,6 +25,7 @@ from .spec import Endpoint, parse_endpoint
 
 log = logging.getLogger("kvbridge.operator")
 _STATE: dict[str, Any] = {}
+_NODE_LABELS: dict[str, dict[str, str] | None] = {}
 
 
 @kopf.on.startup()
@@ -75,6 +76,16 @@ def endpoints_by_transfer(body: kopf.Body, namespace: str, name: str, **_: Any) 
 def node_labels(name: str, labels: kopf.Labels, **_: Any) -> Any:
     """node name -> labels, for the TopologyAware pairing policy."""
     return {name: dict(labels)}
+
+
+@kopf.on.event("v1", "nodes")
+def node_event(name: str, labels: kopf.Labels, type: str | None, **_: Any) -> None:
+    """Re-plan everything when a node's labels change (TopologyAware reads them)."""
+    seen = _NODE_LABELS.get(name)
+    current = None if type == "DELETED" else dict(labels)
+    _NODE_LABELS[name] = current
+    if seen is not None and seen != current:
+        reconciler.wake_all()
 
 
 @kopf.on.event(GROUP, VERSION, ENDPOINTS)

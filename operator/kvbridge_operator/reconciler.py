@@ -42,6 +42,12 @@ def wake(namespace: str | None, transfer: str | None) -> None:
         event.set()
 
 
+def wake_all() -> None:
+    """Ask every planning loop to re-plan soon (e.g. a node's topology label changed)."""
+    for event in _EVENTS.values():
+        event.set()
+
+
 @dataclass
 class _Memory:
     """What this loop wrote last, to skip rewrites before the watch echoes them back."""
