@@ -369,3 +369,48 @@ class LocalSide:
 
     def close(self) -> None:
         self.agent.close()
+
+
+class Pair:
+    """A producer engine in a :class:`Peer` process and a pull consumer engine here."""
+
+    def __init__(self, peer: Peer, p_spec: EngineSpec, d_spec: EngineSpec, **engine_kw: Any
+                 ) -> None:
+        from kvbridge_agent.nixl import PullEngine
+
+        self.peer, self.p_spec, self.d_spec = peer, p_spec, d_spec
+        self.p_desc = peer.call("create", p_spec)
+        self.d = LocalSide(d_spec)
+        self.engine = PullEngine(self.d.local, timeout_s=10.0, **engine_kw)
+        self.engine.add_remote(self.p_desc)
+        peer.call("add_peer", p_spec.engine_id, self.d.describe())
+        self.p_mirror = Memory(p_spec)
+        self.p_mirror.fill_pattern(p_spec.seed)
+
+    def pull(self, rid: str, local_ids: Any, remote_ids: Any, **kw: Any) -> Any:
+        from kvbridge_agent.nixl import PullRequest
+
+        self.peer.call("register", self.p_spec.engine_id, [rid])
+        before = self.d.memory.snapshot()
+        self.engine.start(PullRequest(rid, self.p_spec.engine_id, local_ids, remote_ids, **kw))
+        return before, self.engine.wait(rid, 10.0)
+
+    def assert_bytes(self, before: dict[str, np.ndarray],
+                     copies: dict[str, list[tuple[int, int, int]]],
+                     zeros: dict[str, list[tuple[int, int]]] | None = None) -> None:
+        """Local memory is ``before`` with ``copies`` applied, then ``zeros[region] =
+        [(offset, nbytes), ...]`` zeroed (the pages the read did not cover)."""
+        want = expected_after(self.d.memory, before, self.p_mirror, copies)
+        for name, ranges in (zeros or {}).items():
+            for off, n in ranges:
+                want[name][off:off + n] = 0
+        for name, buf in self.d.memory.buffers.items():
+            np.testing.assert_array_equal(buf, want[name], err_msg=f"region buffer {name}")
+
+    def notifs(self, rid: str) -> dict[str, Any]:
+        return self.peer.wait_notifs(self.p_spec.engine_id, lambda s: rid in s["finished"])
+
+    def close(self) -> None:
+        self.engine.close()
+        self.d.close()
+        self.peer.call("close", self.p_spec.engine_id)

@@ -9,12 +9,11 @@ import pytest
 from _peers import (
     SENTINEL,
     EngineSpec,
-    LocalSide,
     Memory,
+    Pair,
     Peer,
     RegionSpec,
     block_copies,
-    expected_after,
 )
 
 from kvbridge_agent.nixl import FailureCause, PullEngine, PullRequest, TransferDone
@@ -34,39 +33,6 @@ def peer():
     p = Peer()
     yield p
     p.close()
-
-
-class Pair:
-    """A producer engine in the peer process and a consumer engine here."""
-
-    def __init__(self, peer: Peer, p_spec: EngineSpec, d_spec: EngineSpec, **engine_kw):
-        self.peer, self.p_spec, self.d_spec = peer, p_spec, d_spec
-        self.p_desc = peer.call("create", p_spec)
-        self.d = LocalSide(d_spec)
-        self.engine = PullEngine(self.d.local, timeout_s=10.0, **engine_kw)
-        self.engine.add_remote(self.p_desc)
-        peer.call("add_peer", p_spec.engine_id, self.d.describe())
-        self.p_mirror = Memory(p_spec)
-        self.p_mirror.fill_pattern(p_spec.seed)
-
-    def pull(self, rid: str, local_ids, remote_ids, **kw):
-        self.peer.call("register", self.p_spec.engine_id, [rid])
-        before = self.d.memory.snapshot()
-        self.engine.start(PullRequest(rid, self.p_spec.engine_id, local_ids, remote_ids, **kw))
-        return before, self.engine.wait(rid, 10.0)
-
-    def assert_bytes(self, before, copies):
-        want = expected_after(self.d.memory, before, self.p_mirror, copies)
-        for name, buf in self.d.memory.buffers.items():
-            np.testing.assert_array_equal(buf, want[name], err_msg=f"region buffer {name}")
-
-    def notifs(self, rid: str):
-        return self.peer.wait_notifs(self.p_spec.engine_id, lambda s: rid in s["finished"])
-
-    def close(self):
-        self.engine.close()
-        self.d.close()
-        self.peer.call("close", self.p_spec.engine_id)
 
 
 def _regions(n, *, groups=(0,), blocks=16, block_len=256, stride=None, mem=("VRAM",),
@@ -195,13 +161,14 @@ def test_block_size_ratio_reads_sub_blocks(peer):
                    block_size=32)
     pair = Pair(peer, p_spec, d_spec)
     try:
-        # D logical blocks [2, 5] <- P blocks [4, 5, 10] (3 remote blocks: tail of D's
-        # block 5 second half stays untouched, for the receiver to zero).
+        # D logical blocks [2, 5] <- P blocks [4, 5, 10] (3 remote blocks: the second half
+        # of D's block 5 is not read; the receiver zeroes it, spec §4.9).
         before, res = pair.pull("req-k2", [[2, 5]], [[4, 5, 10]])
         assert isinstance(res, TransferDone), res
+        assert res.zeroed_bytes == 4 * 128
         copies = {n: [(2 * 256, 4 * 128, 128), (2 * 256 + 128, 5 * 128, 128),
                       (5 * 256, 10 * 128, 128)] for n in names}
-        pair.assert_bytes(before, copies)
+        pair.assert_bytes(before, copies, zeros={n: [(5 * 256 + 128, 128)] for n in names})
         pair.notifs("req-k2")
     finally:
         pair.close()

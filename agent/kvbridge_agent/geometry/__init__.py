@@ -1,7 +1,8 @@
 """Pure KV-cache transfer geometry for the NIXL connector at version 11.
 
 Region planning (spec §2), descriptor tables (§2.7), descriptor ids (§3), per-region
-alignment (§4.3–§4.4), memory-type partitions (§4.6) and tensor-parallel mapping (§1.9).
+alignment (§4.3–§4.4), memory-type partitions (§4.6), the byte ranges a receiver zeroes
+(§4.9) and tensor-parallel mapping (§1.9).
 numpy only: no NIXL, ZMQ, Kubernetes or torch import, so the operator can share it.
 Errors are :class:`GeometryError` subclasses (tree in ``_errors``).
 """
@@ -43,6 +44,7 @@ from ._regions import (
 )
 from ._tp import TPMapping, compute_tp_mapping, handshake_target_ranks, tp_ratio
 from ._views import MEM_TYPES, CacheView
+from ._zeroing import untransferred_ranges
 
 __all__ = [
     "MEM_TYPES",
@@ -81,4 +83,5 @@ __all__ = [
     "remote_descriptor_table",
     "split_table_by_mem_type",
     "tp_ratio",
+    "untransferred_ranges",
 ]

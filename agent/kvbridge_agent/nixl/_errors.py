@@ -54,6 +54,7 @@ class FailureCause(enum.Enum):
     REMOTE_DISCONNECT = "remote_disconnect"   # the peer died or closed its endpoint
     TIMEOUT = "timeout"                       # deadline passed with a part still in flight
     TRANSFER = "transfer"                     # any other error while posting or polling
+    ZEROING = "zeroing"                       # read done, but zeroing unread pages failed
     CANCELLED = "cancelled"                   # the engine was closed with the request in flight
 
 

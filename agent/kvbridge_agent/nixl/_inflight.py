@@ -2,7 +2,7 @@
 
 State machine per request (``RequestState``):
 
-    IN_PROGRESS --all parts DONE--> notifications sent --> DONE (reported once)
+    IN_PROGRESS --all parts DONE--> notifications sent --> on_success (zeroing) --> DONE
     IN_PROGRESS --exception / deadline--> FAILED (handles released, notifications dropped)
 
 A failed request is reported only once every one of its handles has been released: a
@@ -38,7 +38,8 @@ class TransferDone:
     """A request whose every part finished and whose notifications were sent.
 
     ``notify_failures`` counts notifications NIXL refused (the peer then frees on lease
-    expiry, spec §4.5).
+    expiry, spec §4.5). ``zeroed_bytes``: local bytes the request owned but did not read,
+    zeroed after the read (spec §4.9).
     """
 
     request_id: str
@@ -47,6 +48,7 @@ class TransferDone:
     descs: int
     notified: tuple[str, ...] = ()
     notify_failures: int = 0
+    zeroed_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -61,6 +63,7 @@ class _Request:
     parts: int = 0
     descs: int = 0
     sealed: bool = False   # all parts posted; may complete once inflight is empty
+    on_success: Callable[[], int] | None = None   # post-processing on success (zeroing)
 
 
 Result = TransferDone | TransferFailure
@@ -109,6 +112,13 @@ class Transfers:
 
     def defer_notif(self, req: _Request, peer: str, message: bytes) -> None:
         req.notifs.append((peer, message))
+
+    def set_on_success(self, req: _Request, fn: Callable[[], int]) -> None:
+        """Run ``fn`` once the request has succeeded (every part DONE, notifications sent),
+        before it is reported; it returns the bytes it zeroed. Never run after a failure.
+        If it raises, the request is reported failed (ZEROING); the producer has already
+        been told, which is right: its blocks were read completely."""
+        req.on_success = fn
 
     def seal(self, req: _Request) -> None:
         """Every part has been posted: the request may now complete."""
@@ -169,7 +179,10 @@ class Transfers:
             return None
         return self._complete(req)
 
-    def _complete(self, req: _Request) -> TransferDone:
+    def _complete(self, req: _Request) -> Result:
+        # Notifications first: they only concern the producer's blocks, which every DONE
+        # part has finished reading, so it may free them now rather than after our local
+        # zeroing; and a zeroing error must not strand them until the lease expires.
         sent: list[str] = []
         failures = 0
         for peer, message in req.notifs:
@@ -181,8 +194,19 @@ class Transfers:
                 log.warning("transfer %s: notification to %s failed (it will free on lease "
                             "expiry): %s", req.request_id, peer, exc)
         req.notifs.clear()
+        zeroed = 0
+        if req.on_success is not None:
+            try:
+                zeroed = int(req.on_success())
+            except Exception as exc:
+                req.failure = TransferFailure(
+                    req.request_id, FailureCause.ZEROING,
+                    f"zeroing the pages the read did not cover: {exc}", exc)
+                log.error("transfer %s: read complete but %s", req.request_id,
+                          req.failure.message)
+                return req.failure
         return TransferDone(req.request_id, req.nbytes, req.parts, req.descs,
-                            tuple(sent), failures)
+                            tuple(sent), failures, zeroed)
 
     def _pop(self, req: _Request) -> None:
         self._reqs.pop(req.request_id, None)

@@ -4,7 +4,8 @@ A :class:`LocalEngine` registers a geometry ``RegionPlan`` with its :class:`~.ag
 (one call per memory kind) and prepares the local descriptor lists lazily, once per
 (block_size_ratio, split) key and memory kind, against ``"NIXL_INIT_AGENT"`` (spec §2.7).
 Mixed-memory plans get one list per kind plus the geometry ``MemTypeIndex`` that maps a
-descriptor id to (kind, position inside that kind's list).
+descriptor id to (kind, position inside that kind's list). :meth:`LocalEngine.zero` zeroes
+local byte ranges per kind through ``_zeroing.zero_ranges`` (spec §4.9).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 from .. import geometry as geo
 from ._agent import DList, NixlAgent
 from ._remote import RemoteEngine
+from ._zeroing import zero_ranges
 
 __all__ = ["EngineFacts", "LocalEngine", "LocalLists"]
 
@@ -111,6 +113,14 @@ class LocalEngine:
         got = LocalLists(k=int(k), table=table, index=index, by_kind=by_kind)
         self._lists[key] = got
         return got
+
+    def zero(self, ranges: dict[str, np.ndarray]) -> int:
+        """Zero ``{kind: (N, 3) rows of (addr, nbytes, device_id)}`` (what
+        ``geometry.untransferred_ranges`` returns) in this engine's memory; each kind goes
+        through its NIXL memory type (so CPU tests memset their stand-in "VRAM"). Returns
+        the bytes zeroed."""
+        return sum(zero_ranges(rows, self.agent.mem_types.nixl_type(kind))
+                   for kind, rows in ranges.items())
 
     def describe(self, *, agent_metadata: bytes | None = None) -> RemoteEngine:
         """This engine as a peer sees it (what the v11 handshake would carry)."""

@@ -8,6 +8,15 @@ region-mapped path, expand ppl, align prefixes, compute descriptor ids
 :meth:`wait` drive the parts; the notifications go out only once every part of the request
 is DONE (spec §4.6-§4.7). A full prefix hit only notifies.
 
+Zeroing (spec §4.9, invariant §6.3.8): when the read leaves some of the request's local
+descriptors unread (k > 1 tail sub-blocks, kernel blocks clipped by ppl rounding, positional
+region-mapped padding), their byte ranges are computed at planning time
+(``geometry.untransferred_ranges``) and zeroed by :meth:`LocalEngine.zero` in the same
+completion step that sends the notifications, after them and before the request is
+reported DONE: the producer's blocks are free to go as soon as every part is DONE, while
+the caller must never see the request finished with stale bytes in its blocks. A failed
+request is never zeroed: a READ whose status is an error may still be writing (spec §4.8).
+
 Failures (spec §4.8): any exception while planning, preparing, posting or polling, or the
 deadline passing, fails the request: no further part is posted, queued notifications are
 dropped, handles are released (or held while NIXL refuses). ``start`` never raises for a
@@ -205,6 +214,11 @@ class PullEngine:
             raise UnsupportedTransferError(
                 f"region-mapped reads need exactly one source rank, the TP mapping gives "
                 f"{list(mapping.source_ranks)}")
+        if ids.allocated_ids is not None:
+            ranges = geo.untransferred_ranges(local.plan, ids.allocated_ids, ids.local_ids,
+                                              ids.k)
+            if ranges:
+                self._transfers.set_on_success(tracked, lambda: local.zero(ranges))
         split = mapping.split_reads
         # Plan every part of every source before posting anything.
         planned = []

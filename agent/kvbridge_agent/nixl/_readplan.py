@@ -2,7 +2,9 @@
 
 No NIXL here: given the local plan, the remote description and the request's logical
 block ids, decide the path (group-matched or region-mapped), expand ppl, align prefixes,
-map sub-blocks and compute the paired local/remote descriptor ids.
+map sub-blocks and compute the paired local/remote descriptor ids. When clipping left
+some of the request's local descriptors unread (k > 1 tails, ppl rounding, positional
+padding), ``ReadIds.allocated_ids`` lists all of them, for zeroing (spec §4.9).
 """
 
 from __future__ import annotations
@@ -23,12 +25,19 @@ IdLists = Sequence[Sequence[int] | np.ndarray]
 
 @dataclass(frozen=True, eq=False)
 class ReadIds:
-    """Paired descriptor ids of one read; ``local_ids`` index the local list at ratio ``k``."""
+    """Paired descriptor ids of one read; ``local_ids`` index the local list at ratio ``k``.
+
+    ``allocated_ids``: every local descriptor id the request owns (its whole local block
+    lists, all k sub-blocks, before any clipping), set only when some of them are not in
+    ``local_ids``; those must be zeroed after a successful read (spec §4.9). None when the
+    read covers everything the request owns.
+    """
 
     k: int
     region_mapped: bool
     local_ids: np.ndarray
     remote_ids: np.ndarray
+    allocated_ids: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.local_ids.size)
@@ -119,9 +128,16 @@ def plan_read_ids(
                                     uses_group_mapping=r > 1, region_names=names)
         rids = geo.compute_desc_ids(p, remote.region_num_blocks, identity,
                                     uses_group_mapping=r > 1, region_names=names)
-        return ReadIds(1, True, lids, rids)
+        allocated = None
+        if _count(d) < _count(local_by_region):      # positional rule: allocation padding
+            allocated = geo.compute_desc_ids(local_by_region, plan.region_num_blocks,
+                                             identity, uses_group_mapping=r > 1,
+                                             region_names=names)
+        return ReadIds(1, True, lids, rids, allocated)
 
+    owned = local_kernel
     if k > 1:
+        owned = [geo.map_to_sub_blocks(lg, k) for lg in local_kernel]
         local_kernel = [
             geo.map_to_sub_blocks(lg, k, _sub_block_count(len(lg), len(rg), k))
             for lg, rg in zip(local_kernel, remote_kernel, strict=False)
@@ -132,6 +148,12 @@ def plan_read_ids(
     lids = geo.compute_desc_ids(d, plan.region_num_blocks, local_groups,
                                 uses_group_mapping=uses_mapping,
                                 block_size_ratio=k if k > 1 else None, region_names=names)
+    allocated = None
+    if _count(d) < _count(owned):          # k > 1 tails, ppl rounding clipped D's pages
+        allocated = geo.compute_desc_ids(owned, plan.region_num_blocks, local_groups,
+                                         uses_group_mapping=uses_mapping,
+                                         block_size_ratio=k if k > 1 else None,
+                                         region_names=names)
     rids = geo.compute_desc_ids(p, remote.region_num_blocks, remote_groups,
                                 uses_group_mapping=uses_mapping, region_names=names)
     if lids.size != rids.size:
@@ -139,4 +161,8 @@ def plan_read_ids(
             f"local and remote descriptor ids differ in count ({lids.size} vs {rids.size}); "
             "the request's per-group block lists cannot be paired"
         )
-    return ReadIds(k, False, lids, rids)
+    return ReadIds(k, False, lids, rids, allocated)
+
+
+def _count(lists: Sequence[np.ndarray]) -> int:
+    return sum(int(x.size) for x in lists)
