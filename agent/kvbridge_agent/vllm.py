@@ -5,32 +5,33 @@ agent (and its KVEndpoint) in a few lines::
 
     reg = VllmRegistration(kv_caches=kv_caches, layer_groups=groups, block_size=16,
                            engine_id=engine_id, role="decode", tp_rank=rank, tp_size=tp,
-                           compat=factors, host_pool=host_tensor, host_pool_blocks=4096)
+                           compat=factors, host_resident_groups={1},
+                           host_num_blocks=4096)
     agent = start_agent(reg, transfer="llama-70b")   # publishes + follows its KVEndpoint
 
 Duck-typed: tensors need ``data_ptr()``, ``shape``, ``stride()``, ``element_size()`` and
 ``device``; torch is never imported here. Layouts handled (blocks-first views, as vLLM hands
 them over): MLA latent caches ``[num_blocks, block_size, head_dim]``; GQA caches with K and
 V packed per block ``[num_blocks, 2, block_size, heads, head_dim]``; several layers (or
-groups) that are views of one storage (the registration is deduplicated by storage); a DRAM
-host-resident pool beside the device caches (``host_pool``).
+groups) that are views of one storage (the registration is deduplicated by storage); and a
+host-resident (HiSparse-style) group whose layers' caches live in DRAM with their own
+capacity, beside the device caches (spec §2.3 step 3, §9.1). The host-resident layers keep
+their real layer names, so ``region_names`` still match the prefill side and the pull takes
+the region-mapped path.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Set
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .geometry import CacheView
 from .protocol import CompatibilityFactors
 from .service import AgentService, AgentSettings, EngineInfo
 
-__all__ = ["HOST_POOL_NAME", "VllmRegistration", "build_views", "start_agent"]
-
-#: Region name of the host-resident pool (sorts after every ``model.layers.*`` name).
-HOST_POOL_NAME = "zz.host_pool"
+__all__ = ["VllmRegistration", "build_views", "start_agent"]
 
 
 @dataclass
@@ -41,11 +42,15 @@ class VllmRegistration:
         kv_caches: layer name -> KV cache tensor (blocks-first view).
         layer_groups: layer name -> transfer-group index (default: every layer group 0).
         block_size / kernel_block_size: logical and kernel block size in tokens; ppl =
-            block_size // kernel_block_size.
-        num_blocks: kernel blocks of the main pool (default: the tensors' first dim).
-        host_pool / host_pool_blocks / host_pool_group: optional DRAM pool (CPU tensor).
+            block_size // kernel_block_size, and each tensor row is one logical block.
+        num_blocks: kernel blocks of the main pool (default: the largest region capacity).
+        host_resident_groups / host_num_blocks: transfer groups whose caches are in host
+            memory (DRAM, registered by the view's own range) and their capacity in
+            logical blocks (``hisparse_host_num_blocks``).
         kv_cache_layout / attn_backend_name / is_mla / num_kv_heads: engine facts.
-        mem_type: of the device caches (``"VRAM"``; tests on CPU pass the CPU-test map).
+        device_mem_type: memory type of the device caches; ``None`` infers it from each
+            tensor's device (CPU -> DRAM, otherwise VRAM). CPU-only tests pass ``"VRAM"``
+            together with the CPU-test memory-type map.
     """
 
     kv_caches: Mapping[str, Any]
@@ -56,9 +61,8 @@ class VllmRegistration:
     block_size: int = 16
     kernel_block_size: int | None = None
     num_blocks: int | None = None
-    host_pool: Any = None
-    host_pool_blocks: int = 0
-    host_pool_group: int = 0
+    host_resident_groups: Set[int] = frozenset()
+    host_num_blocks: int | None = None
     kv_cache_layout: str = "HND"
     attn_backend_name: str = "FLASH_ATTN"
     is_mla: bool = False
@@ -67,39 +71,49 @@ class VllmRegistration:
     tp_size: int = 1
     dp_index: int = 0
     mode: str = "pull"
-    mem_type: str = "VRAM"
+    device_mem_type: str | None = None
 
     @property
     def ppl(self) -> int:
         k = self.kernel_block_size or self.block_size
-        if self.block_size % k:
+        if k < 1 or self.block_size % k:
             raise ValueError(f"block_size {self.block_size} is not a multiple of "
                              f"kernel_block_size {k}")
         return self.block_size // k
 
 
 def build_views(reg: VllmRegistration) -> list[CacheView]:
-    """One ``CacheView`` per layer (plus the host pool), in vLLM's terms."""
+    """One ``CacheView`` per layer, in vLLM's terms (spec §2.3)."""
+    if reg.host_resident_groups and (reg.host_num_blocks is None or reg.host_num_blocks < 1):
+        raise ValueError("host_num_blocks: expected a block count >= 1 with "
+                         f"host_resident_groups {sorted(reg.host_resident_groups)}")
+    ppl = reg.ppl
     views = []
-    for name, t in reg.kv_caches.items():
-        views.append(CacheView.from_tensor(
-            name, t, group_id=int(reg.layer_groups.get(name, 0)), is_mla=reg.is_mla,
-            mem_type=reg.mem_type))
-    if reg.host_pool is not None:
-        if reg.host_pool_blocks <= 0:
-            raise ValueError("host_pool_blocks: expected > 0 with a host_pool")
-        views.append(CacheView.from_tensor(
-            HOST_POOL_NAME, reg.host_pool, group_id=reg.host_pool_group,
-            num_blocks=reg.host_pool_blocks if len(reg.host_pool.shape) == 1 else None,
-            is_mla=reg.is_mla, mem_type="DRAM"))
+    for name, tensor in reg.kv_caches.items():
+        group = int(reg.layer_groups.get(name, 0))
+        if group in reg.host_resident_groups:
+            view = CacheView.from_tensor(
+                name, tensor, group_id=group, is_mla=reg.is_mla, mem_type="DRAM", ppl=ppl,
+                num_blocks=int(reg.host_num_blocks) * ppl)
+            # Host pools are registered by the view's own blocks, not the whole storage.
+            view = replace(view, reg_base=None, reg_nbytes=None)
+        else:
+            view = CacheView.from_tensor(name, tensor, group_id=group, is_mla=reg.is_mla,
+                                         mem_type=reg.device_mem_type, ppl=ppl)
+        views.append(view)
     return views
 
 
-def engine_info(reg: VllmRegistration) -> EngineInfo:
+def engine_info(reg: VllmRegistration, views: list[CacheView]) -> EngineInfo:
+    """Engine facts; ``num_blocks`` defaults to the main (device) pool's kernel blocks."""
+    num_blocks = reg.num_blocks
+    if num_blocks is None:
+        main = [v.num_blocks for v in views if v.group_id not in reg.host_resident_groups]
+        num_blocks = max(main, default=None)
     return EngineInfo(
         reg.engine_id, reg.role, tp_rank=reg.tp_rank, tp_size=reg.tp_size,
         dp_index=reg.dp_index, block_size=reg.kernel_block_size or reg.block_size,
-        ppl=reg.ppl, num_blocks=reg.num_blocks, kv_cache_layout=reg.kv_cache_layout,
+        ppl=reg.ppl, num_blocks=num_blocks, kv_cache_layout=reg.kv_cache_layout,
         attn_backend_name=reg.attn_backend_name, is_mla=reg.is_mla,
         num_kv_heads=reg.num_kv_heads, mode=reg.mode)
 
@@ -120,7 +134,8 @@ def start_agent(reg: VllmRegistration, *, transfer: str | None = None,
             side_channel_host=env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "0.0.0.0"),
             side_channel_port=int(env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")),
             advertise_host=env.get("POD_IP") or None)
-    service = AgentService(build_views(reg), engine_info(reg), reg.compat, settings).start()
+    views = build_views(reg)
+    service = AgentService(views, engine_info(reg, views), reg.compat, settings).start()
     service.sync = None  # type: ignore[attr-defined]
     if publish is None:
         publish = bool(env.get("POD_NAME") and env.get("POD_UID"))

@@ -4,6 +4,7 @@ real agents (NIXL, CPU-test mem-type map) and pulled end to end."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -13,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from kvbridge_agent.nixl import CPU_TEST_MEM_TYPES, NixlUnavailableError, load_nixl  # noqa: E402
 from kvbridge_agent.service import AgentSettings, PeerRef  # noqa: E402
-from kvbridge_agent.vllm import HOST_POOL_NAME, VllmRegistration, build_views, start_agent  # noqa: E402
+from kvbridge_agent.vllm import VllmRegistration, build_views, start_agent  # noqa: E402
 
 NB, BS = 32, 16
 HASH = "c" * 64
@@ -47,14 +48,38 @@ def test_gqa_packed_kv_and_overlaid_groups_views() -> None:
     assert len(plan.registrations) == 1     # one storage registered once
 
 
-def test_host_pool_is_a_dram_region_after_the_layers() -> None:
-    host = torch.zeros(64 * BS * 576 * 2, dtype=torch.uint8)
-    reg = VllmRegistration(kv_caches=mla_caches(False), engine_id="E", role="decode",
-                           compat=HASH, is_mla=True, host_pool=host, host_pool_blocks=64)
-    views = build_views(reg)
-    assert views[-1].name == HOST_POOL_NAME and views[-1].mem_type == "DRAM"
-    assert {v.mem_type for v in views[:-1]} == {"VRAM"}
-    assert views[-1].num_blocks == 64 and views[-1].block_len == BS * 576 * 2
+HOST_LAYER = "model.layers.2.self_attn.attn"
+
+
+def test_host_resident_group_is_dram_with_its_own_capacity() -> None:
+    caches = mla_caches(False)
+    caches[HOST_LAYER] = torch.zeros(48, BS, 576, dtype=torch.bfloat16)  # host pool, CPU
+    reg = VllmRegistration(kv_caches=caches, engine_id="E", role="decode", compat=HASH,
+                           is_mla=True, device_mem_type="VRAM",
+                           layer_groups={HOST_LAYER: 1}, host_resident_groups={1},
+                           host_num_blocks=48)
+    views = {v.name: v for v in build_views(reg)}
+    host = views[HOST_LAYER]
+    assert (host.mem_type, host.group_id, host.num_blocks) == ("DRAM", 1, 48)
+    assert host.registration == (caches[HOST_LAYER].data_ptr(), 48 * BS * 576 * 2)
+    assert {views[n].mem_type for n in views if n != HOST_LAYER} == {"VRAM"}
+    # layer names are unchanged, so region_names still match a prefill engine's
+    assert sorted(views) == sorted(mla_caches(False))
+
+
+def test_ppl_splits_logical_rows_into_kernel_blocks() -> None:
+    caches = {"model.layers.0.self_attn.attn": torch.zeros(NB, 64, 576, dtype=torch.bfloat16)}
+    reg = VllmRegistration(kv_caches=caches, engine_id="E", role="decode", compat=HASH,
+                           is_mla=True, block_size=64, kernel_block_size=16)
+    (view,) = build_views(reg)
+    assert reg.ppl == 4
+    assert (view.num_blocks, view.block_len, view.block_stride) == (NB * 4,) + (16 * 576 * 2,) * 2
+
+
+def test_host_pool_without_capacity_is_refused() -> None:
+    with pytest.raises(ValueError, match="host_num_blocks"):
+        build_views(VllmRegistration(kv_caches=mla_caches(False), engine_id="E",
+                                     role="decode", compat=HASH, host_resident_groups={1}))
 
 
 def test_mla_pull_between_vllm_registrations_is_byte_exact() -> None:
@@ -78,6 +103,53 @@ def test_mla_pull_between_vllm_registrations_is_byte_exact() -> None:
         for name in pc:
             assert torch.equal(dc[name][3:6], pc[name][10:13])
             assert not dc[name][:3].any() and not dc[name][6:].any()
+    finally:
+        d.close()
+        p.close()
+
+
+def test_hisparse_style_decode_pulls_region_mapped_and_mixed_byte_exact() -> None:
+    """D keeps layer 2 in a DRAM host pool of another group and capacity; P is uniform.
+
+    The pull takes the region-mapped path (different group layouts) and splits into one
+    part per memory-type pair; every region lands where its own block ids say.
+    """
+    try:
+        load_nixl()
+    except NixlUnavailableError:  # pragma: no cover
+        pytest.skip("NIXL is not installed")
+    settings = AgentSettings(mem_types=CPU_TEST_MEM_TYPES, epoch=1, transfer_timeout_s=5.0)
+    common = {"compat": HASH, "is_mla": True, "attn_backend_name": "FLASHMLA",
+              "kv_cache_layout": "HND", "device_mem_type": "VRAM"}
+    pc = mla_caches(True)
+    dc = mla_caches(False)
+    dc[HOST_LAYER] = torch.zeros(48, BS, 576, dtype=torch.bfloat16)
+    p = start_agent(VllmRegistration(kv_caches=pc, engine_id="P", role="prefill", **common),
+                    settings=settings, publish=False)
+    d = start_agent(VllmRegistration(kv_caches=dc, engine_id="D", role="decode",
+                                     layer_groups={HOST_LAYER: 1}, host_resident_groups={1},
+                                     host_num_blocks=48, **common),
+                    settings=settings, publish=False)
+    try:
+        assert d.set_peers([PeerRef("p", "P", "127.0.0.1", p.port, 0, 1, 1)])[0].ok
+        assert p.set_peers([PeerRef("d", "D", "127.0.0.1", d.port, 0, 1, 1)])[0].ok
+        p.hold(["r"])
+        res = d.pull("r", "P", [[3, 4, 5], [40, 41, 42]], [[10, 11, 12]])
+        assert res.ok, res
+        assert res.parts == 2          # (VRAM <- VRAM) and (DRAM <- VRAM)
+        finished: list[str] = []
+        deadline = time.monotonic() + 10
+        while not finished and time.monotonic() < deadline:
+            finished = p.completions()["finished"]
+            time.sleep(0.01)
+        assert finished == ["r"]       # exactly one notification, after both parts
+        for name in pc:
+            got = dc[name][40:43] if name == HOST_LAYER else dc[name][3:6]
+            assert torch.equal(got, pc[name][10:13]), name
+        assert not dc[HOST_LAYER][:40].any() and not dc[HOST_LAYER][43:].any()
+        for name in mla_caches(False):
+            if name != HOST_LAYER:
+                assert not dc[name][:3].any() and not dc[name][6:].any()
     finally:
         d.close()
         p.close()
