@@ -98,7 +98,9 @@ def transfer_event(namespace: str, name: str, **_: Any) -> None:
     reconciler.wake(namespace, name)
 
 
-@kopf.daemon(GROUP, VERSION, TRANSFERS, id="plan", cancellation_timeout=5.0)
+@kopf.daemon(
+    GROUP, VERSION, TRANSFERS, id="plan", cancellation_backoff=0.5, cancellation_timeout=5.0
+)
 async def plan_transfer(
     name: str,
     namespace: str,

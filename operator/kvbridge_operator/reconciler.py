@@ -14,7 +14,6 @@ yet seen back), so a restarted operator, which recomputes the same plan, writes 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -84,15 +83,27 @@ async def run(
                 log.exception("planning KVTransfer %s/%s failed; retrying", namespace, name)
                 await asyncio.sleep(1.0)
                 continue
-            deadline = time.monotonic() + settings.resync
-            while not stopped and not event.is_set() and time.monotonic() < deadline:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(event.wait(), timeout=1.0)
-            if event.is_set():
+            await _wait_change(event, stopped, settings.resync)
+            if event.is_set() and not stopped:
                 await asyncio.sleep(settings.debounce)
     finally:
         if _EVENTS.get(key) is event:
             del _EVENTS[key]
+
+
+async def _wait_change(event: asyncio.Event, stopped: Any, timeout: float) -> None:
+    """Until ``event`` is set, kopf asks the daemon to stop, or ``timeout`` passes."""
+    woken = asyncio.ensure_future(event.wait())
+    stopping = asyncio.ensure_future(_until(stopped))
+    try:
+        await asyncio.wait({woken, stopping}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (woken, stopping):
+            task.cancel()
+
+
+async def _until(stopped: Any) -> None:
+    await stopped.wait()
 
 
 async def reconcile(
