@@ -13,7 +13,10 @@ and the median of the reps is reported:
 Cases: one large region; a DeepSeek-like request (61 regions of 73,728-byte blocks, 128
 blocks per region, half of them read) with scattered and with contiguous blocks; the same
 as a mixed-memory request (consumer regions alternate DRAM/VRAM, CPU map) against the
-unsplit request. Buffers are pre-faulted. Output: JSON lines (bench/_common.py); higher
+unsplit request; a small request (2 scattered 4 KiB blocks in each of 61 regions, 0.5 MB),
+where the agent's fixed per-request cost shows (its lines add the median
+microseconds per request of both contenders and their difference). Buffers are
+pre-faulted. Output: JSON lines (bench/_common.py); higher
 ``ratio`` is better for every line.
 """
 
@@ -33,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
 
-from _common import emit
+from _common import best_time, emit
 
 REPS = int(os.environ.get("KVB_BENCH_REPS", "25"))
 GAP = 1 << 16   # bytes between regions, so no two regions are adjacent in memory
@@ -182,7 +185,8 @@ def measure_case(name, shape, dims, eid, consumers, pools, lids, rids) -> None:
         fn()
     runs: dict[str, list[float]] = {k: [] for k in contenders}
     order = list(contenders)
-    for rep in range(REPS):            # rotate the order so no contender always goes first
+    reps = REPS * 8 if shape == "small" else REPS     # microsecond requests: more reps
+    for rep in range(reps):            # rotate the order so no contender always goes first
         for key in order[rep % len(order):] + order[:rep % len(order)]:
             runs[key].append(contenders[key]())
     gbps = {k: _median_rate(v, nbytes) for k, v in runs.items()}
@@ -191,14 +195,22 @@ def measure_case(name, shape, dims, eid, consumers, pools, lids, rids) -> None:
         """Median over reps of the paired speed ratio a/b (the two ran back to back)."""
         return statistics.median(tb / ta for ta, tb in zip(runs[a], runs[b], strict=True))
 
-    extra = {"bytes": nbytes, "descriptors": n * len(lids), "reps": REPS,
+    extra = {"bytes": nbytes, "descriptors": n * len(lids), "reps": reps,
              "higher_is_better": True, "ratio_is": "median of per-rep paired ratios"}
+    per_request = {}
+    if shape == "small":
+        agent_us = statistics.median(runs["agent"]) * 1e6
+        raw_us = statistics.median(runs["raw"]) * 1e6
+        per_request = {"agent_us": round(agent_us, 1), "raw_us": round(raw_us, 1),
+                       "overhead_us": round(agent_us - raw_us, 1)}
     emit(f"transfer.{name}.agent_vs_raw_nixl", gbps["agent"], "GB/s",
          "raw NIXL prepared transfer, same descriptors", ratio("agent", "raw"),
-         raw_gbps=round(gbps["raw"], 3), **extra)
+         raw_gbps=round(gbps["raw"], 3), **per_request, **extra)
     emit(f"transfer.{name}.agent_vs_memcpy", gbps["agent"], "GB/s",
          "numpy memcpy of the same bytes", ratio("agent", "memcpy"),
          memcpy_gbps=round(gbps["memcpy"], 3), **extra)
+    if shape == "small":
+        plan_cost(name, main, eid, lo, ro)
     if shape != "ds":
         return
     emit(f"transfer.{name}.coalesced_vs_memcpy", gbps["agent_coalesced"], "GB/s",
@@ -210,6 +222,23 @@ def measure_case(name, shape, dims, eid, consumers, pools, lids, rids) -> None:
          ratio("agent_mixed", "agent"), parts=2, **extra)
 
 
+def plan_cost(name: str, c: Consumer, eid: str, lids: list[int], rids: list[int]) -> None:
+    """Id planning of one request with the engines' cached DescIdLayouts (what the pull
+    does) against building the layouts per call (what it did before caching them)."""
+    from kvbridge_agent.nixl import plan_read_ids
+
+    peer = c.engine.peers.any_rank(eid)
+    kw = {"local_block_size": c.local.facts.block_size, "local_ppl": c.local.facts.ppl,
+          "remote": peer.desc, "local_block_ids": [lids], "remote_block_ids": [rids]}
+    cached = best_time(lambda: plan_read_ids(c.local.plan, **kw, local_layout=c.local.desc_layout,
+                                             remote_layout=peer.layout), min_time=0.1)
+    fresh = best_time(lambda: plan_read_ids(c.local.plan, **kw), min_time=0.1)
+    emit(f"transfer.{name}.plan_cached_vs_uncached_layouts", round(cached * 1e6, 2), "us",
+         "plan_read_ids building its DescIdLayouts per call (same ids, same run)",
+         round(fresh / cached, 3), baseline_us=round(fresh * 1e6, 2), higher_is_better=True,
+         ratio_is="speed-up: baseline time / value")
+
+
 def _median_rate(times: list[float], nbytes: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
@@ -218,7 +247,8 @@ def main() -> None:
     t_start = time.monotonic()
     large = ("large", (1, 64, 4 << 20))                     # one 256 MiB region
     ds = ("ds", (61, 128, 73_728))                           # DeepSeek-like, 576 MiB
-    shapes = dict([large, ds])
+    small = ("small", (61, 64, 4096))                        # small blocks: fixed costs
+    shapes = dict([large, ds, small])
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_producer, args=(child, shapes), daemon=True)
@@ -231,14 +261,17 @@ def main() -> None:
     d_ds = Pool(*shapes["ds"], fill=0)
     src_large = Pool(*shapes["large"], fill=3)               # memcpy baselines' sources
     src_ds = Pool(*shapes["ds"], fill=3)
+    d_small = Pool(*shapes["small"], fill=0)
+    src_small = Pool(*shapes["small"], fill=3)
     consumers = {
         "large": Consumer("large", d_large, ["VRAM"], coalesce=False),
         "ds": Consumer("ds", d_ds, ["VRAM"], coalesce=False),
         "ds-co": Consumer("ds-co", d_ds, ["VRAM"], coalesce=True),
         "ds-mixed": Consumer("ds-mixed", d_ds, ["VRAM", "DRAM"], coalesce=False),
+        "small": Consumer("small", d_small, ["VRAM"], coalesce=False),
     }
     for key, c in consumers.items():
-        c.engine.add_remote(descs["large" if key == "large" else "ds"])
+        c.engine.add_remote(descs[key if key in ("large", "small") else "ds"])
     conn.send(("add", [c.agent.metadata() for c in consumers.values()]))
     assert conn.poll(60) and conn.recv() == "ok"
 
@@ -249,9 +282,13 @@ def main() -> None:
         "deepseek_scattered": ("ds", np.sort(rng.choice(128, half, replace=False)),
                                rng.choice(128, half, replace=False)),
         "deepseek_contiguous": ("ds", np.arange(half), np.arange(32, 32 + half)),
+        "small_request": ("small", np.sort(rng.choice(64, 2, replace=False)),
+                          rng.choice(64, 2, replace=False)),
     }
+    pools_of = {"large": (d_large, src_large), "ds": (d_ds, src_ds),
+                "small": (d_small, src_small)}
     for name, (shape, lids, rids) in cases.items():
-        pools = (d_large, src_large) if shape == "large" else (d_ds, src_ds)
+        pools = pools_of[shape]
         measure_case(name, shape, shapes[shape], descs[shape].engine_id, consumers, pools,
                      lids, rids)
         conn.send(("drain",))

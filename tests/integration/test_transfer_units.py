@@ -182,6 +182,35 @@ def test_plan_block_size_ratio_with_prefix_hit_keeps_token_alignment():
     assert ids.remote_ids.tolist() == [2, 3, 4]
 
 
+def test_plan_with_cached_layouts_gives_the_same_ids_and_allocated_ids():
+    from kvbridge_agent.nixl._readplan import local_desc_layout, remote_desc_layout
+
+    cases = [
+        (_plan([0, 0, 1], [20, 20, 64]), _remote([0, 0, 0], [16, 16, 16]), 16,
+         [[10, 11, 12, 13], [40, 41, 42, 43]], [[3, 4, 5, 6]],
+         {"num_computed_blocks": [0, 0], "remote_num_tokens": 40}),
+        (_plan([0, 1, 0], [8, 8, 8], block_len=128), _remote([0, 1, 0], [8, 8, 8]), 32,
+         [[6, 7], [1]], [[0, 1, 2, 3, 4], [5, 6]], {}),
+    ]
+    for plan, remote, bs, lids, rids, kw in cases:
+        cache: dict = {}
+
+        def local_layout(k, mapped, plan=plan, cache=cache):
+            return cache.setdefault((k, mapped), local_desc_layout(plan, k, mapped))
+
+        args = {"local_block_size": bs, "local_ppl": 1, "remote": remote,
+                "local_block_ids": lids, "remote_block_ids": rids, **kw}
+        fresh = plan_read_ids(plan, **args)
+        for _ in range(2):
+            cached = plan_read_ids(plan, **args, local_layout=local_layout,
+                                   remote_layout=lambda m, r=remote: remote_desc_layout(r, m))
+            assert cached.local_ids.tolist() == fresh.local_ids.tolist()
+            assert cached.remote_ids.tolist() == fresh.remote_ids.tolist()
+            assert cached.allocated_ids is not None
+            assert cached.allocated_ids.tolist() == fresh.allocated_ids.tolist()
+        assert len(cache) == 1
+
+
 def test_plan_rejections():
     with pytest.raises(UnsupportedTransferError, match="pure MLA"):
         plan_read_ids(_plan([0, 1], [8, 8], is_mla=False), local_block_size=16, local_ppl=1,

@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import geometry as geo
 from ._agent import DList, NixlAgent
+from ._readplan import local_desc_layout
 from ._remote import RemoteEngine
 from ._zeroing import zero_ranges
 
@@ -78,6 +79,7 @@ class LocalEngine:
         self.plan = plan
         self.facts = facts
         self._lists: dict[tuple[int, int, int], LocalLists] = {}
+        self._layouts: dict[tuple[int, bool], geo.DescIdLayout] = {}
         agent.register_plan(plan)
 
     @property
@@ -112,6 +114,15 @@ class LocalEngine:
         by_kind = {kind: self.agent.prep_local(parts[kind], kind) for kind in index.mem_types}
         got = LocalLists(k=int(k), table=table, index=index, by_kind=by_kind)
         self._lists[key] = got
+        return got
+
+    def desc_layout(self, k: int, region_mapped: bool) -> geo.DescIdLayout:
+        """The ``geometry.DescIdLayout`` of the local list at ratio ``k`` for the
+        group-matched path, or the region-mapped one (k = 1); built once per key."""
+        key = (int(k), bool(region_mapped))
+        got = self._layouts.get(key)
+        if got is None:
+            got = self._layouts[key] = local_desc_layout(self.plan, key[0], key[1])
         return got
 
     def zero(self, ranges: dict[str, np.ndarray]) -> int:

@@ -27,12 +27,24 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class RemotePeer:
-    """A loaded remote rank: its description, NIXL agent name and prepared lists."""
+    """A loaded remote rank: its description, NIXL agent name, prepared lists and
+    descriptor-id layouts (both built on first use, dropped with the entry)."""
 
     desc: RemoteEngine
     agent_name: str
     index: Any  # geometry.MemTypeIndex of the remote descriptors (k = 1)
     lists: dict[Hashable, dict[str, DList]] = field(default_factory=dict)
+    layouts: dict[bool, geo.DescIdLayout] = field(default_factory=dict)
+
+    def layout(self, region_mapped: bool) -> geo.DescIdLayout:
+        """The ``DescIdLayout`` of this rank's list (ratio 1) for the group-matched path or
+        the region-mapped one (``_readplan.remote_desc_layout``), cached."""
+        got = self.layouts.get(region_mapped)
+        if got is None:
+            from ._readplan import remote_desc_layout
+
+            got = self.layouts[region_mapped] = remote_desc_layout(self.desc, region_mapped)
+        return got
 
 
 class RemotePeers:
@@ -67,6 +79,7 @@ class RemotePeers:
             log.warning("removing stale remote %s (%s rank %d) failed: %s",
                         peer.agent_name, key[0], key[1], exc)
         peer.lists.clear()
+        peer.layouts.clear()
 
     def remove(self, engine_id: str, tp_rank: int | None = None) -> list[str]:
         """Drop one rank (or every rank) of an engine; returns the removed agent names."""

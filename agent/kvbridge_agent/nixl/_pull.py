@@ -209,7 +209,8 @@ class PullEngine:
             remote=sources[0].desc, local_block_ids=req.local_block_ids,
             remote_block_ids=req.remote_block_ids,
             num_computed_blocks=req.num_computed_blocks,
-            remote_num_tokens=req.remote_num_tokens)
+            remote_num_tokens=req.remote_num_tokens, local_layout=local.desc_layout,
+            remote_layout=sources[0].layout)
         if ids.region_mapped and len(sources) != 1:
             raise UnsupportedTransferError(
                 f"region-mapped reads need exactly one source rank, the TP mapping gives "

@@ -133,16 +133,11 @@ class PushEngine:
                 f"consumer {desc.block_size})")
         if tuple(desc.region_group_ids) != local.group_ids:
             raise UnsupportedTransferError(GROUP_LAYOUT_MESSAGE)
-        names = local.plan.names
         mine = [geo.expand_logical_to_kernel(g, local.facts.ppl) for g in req.local_block_ids]
         theirs = [geo.expand_logical_to_kernel(g, desc.ppl) for g in req.remote_block_ids]
         d, p = geo.align_prefix_by_group(theirs, mine, max_padding=desc.ppl + local.facts.ppl)
-        groups = local.group_ids
-        mapping = len(set(groups)) > 1
-        lids = geo.compute_desc_ids(p, local.plan.region_num_blocks, groups,
-                                    uses_group_mapping=mapping, region_names=names)
-        rids = geo.compute_desc_ids(d, desc.region_num_blocks, groups,
-                                    uses_group_mapping=mapping, region_names=names)
+        lids = local.desc_layout(1, False).desc_ids(p)
+        rids = targets[0].layout(False).desc_ids(d)
         message = completion_message(req.request_id, consumers)
         if lids.size == 0:
             for peer in targets:

@@ -5,12 +5,18 @@ block ids, decide the path (group-matched or region-mapped), expand ppl, align p
 map sub-blocks and compute the paired local/remote descriptor ids. When clipping left
 some of the request's local descriptors unread (k > 1 tails, ppl rounding, positional
 padding), ``ReadIds.allocated_ids`` lists all of them, for zeroing (spec §4.9).
+
+Descriptor ids go through ``geometry.DescIdLayout`` objects, one per (engine, k, path),
+built by :func:`local_desc_layout` / :func:`remote_desc_layout` and cached by
+:class:`~.local.LocalEngine` and the loaded :class:`~.peers.RemotePeer`, so a request pays
+only ``layout.desc_ids`` (validation of the layout happens once per engine).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -18,7 +24,13 @@ from .. import geometry as geo
 from ._errors import UnsupportedTransferError
 from ._remote import RemoteEngine
 
-__all__ = ["ReadIds", "block_size_ratio", "plan_read_ids"]
+__all__ = [
+    "ReadIds",
+    "block_size_ratio",
+    "local_desc_layout",
+    "plan_read_ids",
+    "remote_desc_layout",
+]
 
 IdLists = Sequence[Sequence[int] | np.ndarray]
 
@@ -54,6 +66,30 @@ def block_size_ratio(local_block_size: int, remote_block_size: int) -> int:
     return local_block_size // remote_block_size
 
 
+def local_desc_layout(plan: geo.RegionPlan, k: int, region_mapped: bool) -> geo.DescIdLayout:
+    """The local descriptor-id layout at ratio ``k`` for the group-matched path, or (k = 1)
+    the region-mapped one (each region its own group, spec §3.5)."""
+    caps, names = plan.region_num_blocks, plan.names
+    if region_mapped:
+        r = len(caps)
+        return geo.DescIdLayout(caps, np.arange(r), uses_group_mapping=r > 1,
+                                region_names=names)
+    gids = plan.group_ids
+    return geo.DescIdLayout(caps, gids, uses_group_mapping=len(set(gids.tolist())) > 1,
+                            block_size_ratio=k if k > 1 else None, region_names=names)
+
+
+def remote_desc_layout(remote: RemoteEngine, region_mapped: bool) -> geo.DescIdLayout:
+    """The descriptor-id layout of ``remote``'s list (ratio 1) for either path."""
+    caps, gids, names = remote.region_num_blocks, remote.region_group_ids, remote.region_names
+    if region_mapped:
+        r = len(caps)
+        return geo.DescIdLayout(caps, np.arange(r), uses_group_mapping=r > 1,
+                                region_names=names)
+    return geo.DescIdLayout(caps, gids, uses_group_mapping=len(set(gids)) > 1,
+                            region_names=names)
+
+
 def _sub_block_count(num_local: int, num_remote: int, k: int) -> int:
     """Remote blocks that land in ``num_local`` local blocks at ratio ``k``.
 
@@ -75,8 +111,14 @@ def plan_read_ids(
     remote_block_ids: IdLists,
     num_computed_blocks: Sequence[int] | None = None,
     remote_num_tokens: int | None = None,
+    local_layout: Callable[[int, bool], geo.DescIdLayout] | None = None,
+    remote_layout: Callable[[bool], geo.DescIdLayout] | None = None,
 ) -> ReadIds:
     """Descriptor ids for reading ``remote_block_ids`` of ``remote`` into ``local_block_ids``.
+
+    ``local_layout(k, region_mapped)`` and ``remote_layout(region_mapped)`` supply the
+    ``DescIdLayout`` objects (the cached ``LocalEngine.desc_layout`` and
+    ``RemotePeer.layout``); without them they are built for this call.
 
     Raises:
         UnsupportedTransferError: region mapping needed but the model is not pure MLA, or
@@ -85,7 +127,7 @@ def plan_read_ids(
             paired (``PrefixAlignmentError``), group lists that do not fit the layout.
     """
     k = block_size_ratio(local_block_size, remote.block_size)
-    local_groups = tuple(int(g) for g in plan.group_ids)
+    local_groups = tuple(plan.group_ids.tolist())
     remote_groups = tuple(remote.region_group_ids) or local_groups
     local_kernel = [geo.expand_logical_to_kernel(g, local_ppl) for g in local_block_ids]
     remote_kernel = [geo.expand_logical_to_kernel(g, remote.ppl) for g in remote_block_ids]
@@ -122,17 +164,12 @@ def plan_read_ids(
         else:
             d, p = geo.align_prefix_by_region(local_by_region, remote_by_region,
                                               region_names=names)
-        r = len(local_groups)
-        identity = list(range(r))
-        lids = geo.compute_desc_ids(d, plan.region_num_blocks, identity,
-                                    uses_group_mapping=r > 1, region_names=names)
-        rids = geo.compute_desc_ids(p, remote.region_num_blocks, identity,
-                                    uses_group_mapping=r > 1, region_names=names)
+        llayout = (local_layout or partial(local_desc_layout, plan))(1, True)
+        lids = llayout.desc_ids(d)
+        rids = (remote_layout or partial(remote_desc_layout, remote))(True).desc_ids(p)
         allocated = None
         if _count(d) < _count(local_by_region):      # positional rule: allocation padding
-            allocated = geo.compute_desc_ids(local_by_region, plan.region_num_blocks,
-                                             identity, uses_group_mapping=r > 1,
-                                             region_names=names)
+            allocated = llayout.desc_ids(local_by_region)
         return ReadIds(1, True, lids, rids, allocated)
 
     owned = local_kernel
@@ -144,18 +181,17 @@ def plan_read_ids(
         ]
     d, p = geo.align_prefix_by_group(local_kernel, remote_kernel,
                                      max_padding=local_ppl + remote.ppl)
-    uses_mapping = len(set(local_groups)) > 1
-    lids = geo.compute_desc_ids(d, plan.region_num_blocks, local_groups,
-                                uses_group_mapping=uses_mapping,
-                                block_size_ratio=k if k > 1 else None, region_names=names)
+    llayout = (local_layout or partial(local_desc_layout, plan))(k, False)
+    lids = llayout.desc_ids(d)
     allocated = None
     if _count(d) < _count(owned):          # k > 1 tails, ppl rounding clipped D's pages
-        allocated = geo.compute_desc_ids(owned, plan.region_num_blocks, local_groups,
-                                         uses_group_mapping=uses_mapping,
-                                         block_size_ratio=k if k > 1 else None,
-                                         region_names=names)
-    rids = geo.compute_desc_ids(p, remote.region_num_blocks, remote_groups,
-                                uses_group_mapping=uses_mapping, region_names=names)
+        allocated = llayout.desc_ids(owned)
+    if remote.region_group_ids:
+        rids = (remote_layout or partial(remote_desc_layout, remote))(False).desc_ids(p)
+    else:   # a remote without regions: the same GroupLayoutError as before caching
+        rids = geo.compute_desc_ids(p, remote.region_num_blocks, remote_groups,
+                                    uses_group_mapping=len(set(local_groups)) > 1,
+                                    region_names=names)
     if lids.size != rids.size:
         raise geo.PrefixAlignmentError(
             f"local and remote descriptor ids differ in count ({lids.size} vs {rids.size}); "
