@@ -61,6 +61,9 @@ class Settings:
     write_concurrency: int = 8
     #: Level of kopf's per-object log ("Handler ... succeeded") (KVBRIDGE_KOPF_LOG_LEVEL).
     kopf_log_level: str = "WARNING"
+    #: Users allowed to write any pod's KVEndpoint besides cluster admins and the controllers
+    #: (KVBRIDGE_ADMISSION_EXEMPT_USERS, comma-separated); see :mod:`.pod_identity`.
+    admission_exempt_users: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -77,4 +80,9 @@ class Settings:
             resync=_env_float("KVBRIDGE_RESYNC", cls.resync),
             write_concurrency=_env_int("KVBRIDGE_WRITE_CONCURRENCY", cls.write_concurrency),
             kopf_log_level=os.environ.get("KVBRIDGE_KOPF_LOG_LEVEL", cls.kopf_log_level).upper(),
+            admission_exempt_users=tuple(
+                u.strip()
+                for u in os.environ.get("KVBRIDGE_ADMISSION_EXEMPT_USERS", "").split(",")
+                if u.strip()
+            ),
         )

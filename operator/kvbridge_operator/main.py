@@ -17,7 +17,7 @@ from typing import Any
 
 import kopf
 
-from . import admission, metrics, reconciler, webhook
+from . import admission, metrics, pod_identity, reconciler, webhook
 from .config import ANNOTATION_PREFIX, ENDPOINTS, FINALIZER, GROUP, TRANSFERS, VERSION, Settings
 from .errors import SpecError
 from .kube import Kube
@@ -134,8 +134,15 @@ async def release_endpoints(
     )
 
 
-def validate_kvendpoint(body: kopf.Body, old: Any, **_: Any) -> None:
-    _admit(admission.check_endpoint(body, old))
+def validate_kvendpoint(body: kopf.Body, old: Any, userinfo: Any, **_: Any) -> None:
+    """Schema-independent rules, and only the owning pod may write a KVEndpoint's spec."""
+    settings = _STATE.get("settings") or Settings.from_env()
+    _admit(
+        admission.check_endpoint(body, old)
+        + pod_identity.check_pod_identity(
+            body, userinfo, exempt_users=settings.admission_exempt_users
+        )
+    )
 
 
 def validate_kvtransfer(body: kopf.Body, old: Any, **_: Any) -> None:
