@@ -27,6 +27,7 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from . import metrics
 from .geometry import CacheView
 from .protocol import CompatibilityFactors
 from .service import AgentService, AgentSettings, EngineInfo
@@ -118,17 +119,25 @@ def engine_info(reg: VllmRegistration, views: list[CacheView]) -> EngineInfo:
         num_kv_heads=reg.num_kv_heads, mode=reg.mode)
 
 
+#: Port of the agent's Prometheus ``/metrics`` (unset: not served).
+METRICS_PORT_ENV = "KVBRIDGE_AGENT_METRICS_PORT"
+
+
 def start_agent(reg: VllmRegistration, *, transfer: str | None = None,
                 settings: AgentSettings | None = None, publish: bool | None = None,
-                sync_interval_s: float = 1.0) -> AgentService:
+                sync_interval_s: float = 1.0, metrics_port: int | None = None) -> AgentService:
     """Register the caches, start the side channel and (in a pod) publish the KVEndpoint.
 
     The side channel binds ``$VLLM_NIXL_SIDE_CHANNEL_HOST`` (default ``0.0.0.0``) on
     ``$VLLM_NIXL_SIDE_CHANNEL_PORT`` (+ dp index) and advertises ``$POD_IP``. ``publish``
     defaults to "the downward API variables are set"; ``transfer`` defaults to
-    ``$KVBRIDGE_TRANSFER``. The returned service carries ``.sync`` (or ``None``).
+    ``$KVBRIDGE_TRANSFER``. Prometheus metrics are served on ``metrics_port`` (default
+    ``$KVBRIDGE_AGENT_METRICS_PORT``; 0 picks a free port; unset serves none). The returned
+    service carries ``.sync`` (or ``None``) and ``.metrics_port`` (or ``None``).
     """
     env = os.environ
+    if metrics_port is None and env.get(METRICS_PORT_ENV):
+        metrics_port = int(env[METRICS_PORT_ENV])
     if settings is None:
         settings = AgentSettings(
             side_channel_host=env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "0.0.0.0"),
@@ -137,6 +146,8 @@ def start_agent(reg: VllmRegistration, *, transfer: str | None = None,
     views = build_views(reg)
     service = AgentService(views, engine_info(reg, views), reg.compat, settings).start()
     service.sync = None  # type: ignore[attr-defined]
+    service.metrics_port = (  # type: ignore[attr-defined]
+        None if metrics_port is None else metrics.serve(metrics_port))
     if publish is None:
         publish = bool(env.get("POD_NAME") and env.get("POD_UID"))
     if publish:

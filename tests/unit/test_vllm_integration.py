@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+import urllib.request
 
 import pytest
 
@@ -82,6 +83,17 @@ def test_host_pool_without_capacity_is_refused() -> None:
                                      role="decode", compat=HASH, host_resident_groups={1}))
 
 
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+    return samples
+
+
 def test_mla_pull_between_vllm_registrations_is_byte_exact() -> None:
     try:
         load_nixl()
@@ -94,8 +106,9 @@ def test_mla_pull_between_vllm_registrations_is_byte_exact() -> None:
     p = start_agent(VllmRegistration(kv_caches=pc, engine_id="P", role="prefill", **common),
                     settings=settings, publish=False)
     d = start_agent(VllmRegistration(kv_caches=dc, engine_id="D", role="decode", **common),
-                    settings=settings, publish=False)
+                    settings=settings, publish=False, metrics_port=0)
     try:
+        before = _scrape(d.metrics_port)
         assert d.set_peers([PeerRef("p", "P", "127.0.0.1", p.port, 0, 1, 1)])[0].ok
         assert p.set_peers([PeerRef("d", "D", "127.0.0.1", d.port, 0, 1, 1)])[0].ok
         res = d.pull("r", "P", [[3, 4, 5]], [[10, 11, 12]])
@@ -103,6 +116,14 @@ def test_mla_pull_between_vllm_registrations_is_byte_exact() -> None:
         for name in pc:
             assert torch.equal(dc[name][3:6], pc[name][10:13])
             assert not dc[name][:3].any() and not dc[name][6:].any()
+        # the agent's /metrics over HTTP: one more successful handshake, the pulled bytes
+        after = _scrape(d.metrics_port)
+        ok = 'kvbridge_agent_handshakes_total{result="succeeded"}'
+        assert after[ok] - before.get(ok, 0.0) >= 1
+        moved = after["kvbridge_agent_transfer_bytes_total"] - before.get(
+            "kvbridge_agent_transfer_bytes_total", 0.0)
+        assert moved == res.nbytes == 3 * 3 * BS * 576 * 2
+        assert after["kvbridge_agent_transfer_seconds_count"] >= 1
     finally:
         d.close()
         p.close()
