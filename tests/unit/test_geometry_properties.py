@@ -304,3 +304,91 @@ def test_plan_overlap_detection_matches_brute_force(specs) -> None:
                  for r in plan.regions)
     assert got == sorted((a, ln, s, n, g) for (a, ln), (s, n, g) in folded.items())
     assert list(plan.names) == sorted(plan.names, key=lambda x: int(x.split(".")[1]))
+
+
+# -- the lean one-shot path of compute_desc_ids == the DescIdLayout path --------------------
+
+
+def _outcome(fn):
+    try:
+        return ("ok", fn().tolist())
+    except Exception as exc:   # the same type and message, or the same ids
+        return ("err", type(exc), str(exc))
+
+
+def _as_input(draw, values, dtype_choices):
+    if min(values, default=0) < 0:
+        dtype_choices = [c for c in dtype_choices if not c.startswith("uint")]
+    how = draw(st.sampled_from(dtype_choices))
+    if how == "list":
+        return list(values)
+    if how == "tuple":
+        return tuple(values)
+    if how == "strided":
+        a = np.repeat(np.asarray(values, dtype=np.int64), 2)
+        return a[::2]
+    return np.asarray(values, dtype=how)
+
+
+@st.composite
+def any_desc_id_inputs(draw):
+    """Mostly valid inputs (so the lean path answers), sometimes subtly invalid ones."""
+    r = draw(st.integers(0, 8))
+    g = draw(st.integers(0, 9))
+    odd = draw(st.integers(0, 3)) == 0        # a quarter of the cases may be invalid
+    caps = draw(st.lists(st.integers(-1 if odd else 0, 12), min_size=r, max_size=r))
+    n_gids = draw(st.sampled_from([r, r, r, r + 1])) if odd else r
+    gids = draw(st.lists(st.integers(-2 if odd else -1, max(g - 1, 0) + (2 if odd else 0)),
+                         min_size=n_gids, max_size=n_gids))
+    if draw(st.booleans()):
+        gids = list(range(r))                                   # region-mapped layout
+    kinds = ["list", "tuple", "strided", "int64", "int32", "uint16"]
+    caps_in = _as_input(draw, caps, [*kinds, "float64"] if odd else kinds)
+    gids_in = _as_input(draw, gids, kinds)
+    k = draw(st.sampled_from([None, None, 1, 2, 3, 0, True, np.int64(2)] if odd
+                             else [None, None, 1, 2, 3]))
+    top = max(min(caps, default=0) * (k if isinstance(k, int) and k > 1 else 1), 1)
+    entries = []
+    for _ in range(g):
+        ids = draw(st.lists(st.integers(-2 if odd else 0, top + (2 if odd else -1)),
+                            max_size=5))
+        if odd and draw(st.integers(0, 5)) == 0:
+            entries.append(draw(st.sampled_from([[True, False], [1.5], [[1, 2]], np.array([]),
+                                                 np.array([[1]]), ["1"]])))
+        else:
+            choices = ["list", "tuple", "strided", "int64", "int32", "uint8"]
+            entries.append(_as_input(draw, ids, choices))
+    block_ids = tuple(entries) if draw(st.booleans()) else entries
+    uses = draw(st.sampled_from([None, None, True, False]))
+    return block_ids, caps_in, gids_in, k, uses
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(any_desc_id_inputs())
+def test_one_shot_path_is_indistinguishable_from_the_layout_path(case) -> None:
+    block_ids, caps, gids, k, uses = case
+    fast = _outcome(lambda: compute_desc_ids(block_ids, caps, gids, uses_group_mapping=uses,
+                                             block_size_ratio=k))
+    full = _outcome(lambda: DescIdLayout(caps, gids, uses_group_mapping=uses,
+                                         block_size_ratio=k).desc_ids(block_ids))
+    assert fast == full
+
+
+def test_one_shot_does_not_modify_inputs() -> None:
+    caps = np.array([10, 10, 10], dtype=np.int64)
+    gids = np.array([0, 1, 2], dtype=np.int64)
+    ids = [np.array([1, 2], dtype=np.int64), np.array([3, 4], dtype=np.int64),
+           np.array([5, 6], dtype=np.int64)]
+    for uses in (None, True):
+        got = compute_desc_ids(ids, caps, gids, uses_group_mapping=uses)
+        assert got.tolist() == [1, 2, 13, 14, 25, 26]
+    assert [e.tolist() for e in ids] == [[1, 2], [3, 4], [5, 6]]
+    assert caps.flags.writeable and gids.flags.writeable
+    # more than four groups, one region each (the region-mapped shape): equal and unequal
+    caps = np.full(6, 9, dtype=np.int64)
+    gids = np.arange(6)
+    for lists in ([[g, g + 1] for g in range(6)], [[g] * (g % 3) for g in range(6)]):
+        arrays = [np.array(x, dtype=np.int64) for x in lists]
+        want = [9 * r + b for r, x in enumerate(lists) for b in x]
+        assert compute_desc_ids(arrays, caps, gids).tolist() == want
+        assert [a.tolist() for a in arrays] == lists
