@@ -280,7 +280,17 @@ def _local_env(kube: Kube, work: Path, ports: dict[str, int]) -> dict[str, str]:
     return env
 
 
-def _review(port: int, ca: Path, path: str, obj: dict[str, Any]) -> dict[str, Any]:
+def _agent_user(pod: str) -> dict[str, Any]:
+    """``request.userInfo`` of an agent authenticated with a token bound to ``pod``."""
+    return {
+        "username": "system:serviceaccount:serving:kvbridge-agent",
+        "extra": {"authentication.kubernetes.io/pod-name": [pod]},
+    }
+
+
+def _review(
+    port: int, ca: Path, path: str, obj: dict[str, Any], user: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Send an AdmissionReview the way the API server would: TLS verified against the chart's
     caBundle for the webhook Service's DNS name, to the path the chart configured."""
     ctx = ssl.create_default_context(cafile=str(ca))
@@ -301,7 +311,7 @@ def _review(port: int, ca: Path, path: str, obj: dict[str, Any]) -> dict[str, An
             "namespace": SERVING,
             "name": obj["metadata"]["name"],
             "dryRun": False,
-            "userInfo": {"username": "system:serviceaccount:serving:kvbridge-agent"},
+            "userInfo": user or _agent_user(obj["metadata"]["name"]),
         },
     }
     with (
@@ -483,6 +493,10 @@ def test_operator_reconciles_with_the_chart_service_account(
             )
             verdict = _review(ports["webhook"], ca, paths[ENDPOINTS], bad)
             assert verdict["allowed"] is False and "spec.tpRank" in verdict["status"]["message"]
+            # ... and only the owning pod may write an endpoint.
+            theft = _review(ports["webhook"], ca, paths[ENDPOINTS], ok, _agent_user("d0-0"))
+            assert theft["allowed"] is False
+            assert "owner Pod 'd9-0'" in theft["status"]["message"]
             kvt = manifests.transfer_manifest("kvt", SERVING)
             assert _review(ports["webhook"], ca, paths[TRANSFERS], kvt)["allowed"] is True
 
