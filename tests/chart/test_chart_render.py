@@ -349,6 +349,18 @@ def test_agent_rbac_is_exactly_endpoint_publishing(name: str, rendered: dict) ->
         assert expand_rules(role["rules"]) == AGENT
 
 
+def test_e2e_agent_rbac_is_the_charts(rendered: dict) -> None:
+    """The e2e tests and the demo grant agents demo/sim.AGENT_RULES without installing the
+    chart; they must be exactly the chart's agent Role, or those tests prove nothing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_sim", REPO / "demo" / "sim.py")
+    assert spec is not None and spec.loader is not None
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    assert expand_rules(sim.AGENT_RULES) == AGENT
+
+
 def test_agent_objects_per_namespace(rendered: dict) -> None:
     objs = rendered["cluster-wide"]
     sas = {
