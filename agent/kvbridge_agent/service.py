@@ -15,14 +15,30 @@ peers the operator assigns, and run transfers against them (DESIGN flows 1, 4, 5
   remote agent), handshakes with every new one (side channel, hash, engine id, then
   ``protocol.validate_remote``) and loads it into NIXL. Results are :class:`PeerReport`
   items, which :mod:`.kube` writes to ``status.handshakes``;
-- **transfer** (flow 5): :meth:`pull` (decode, pull mode) reads from a preflighted peer and
-  never handshakes on the request path; :meth:`hold` / :meth:`completions` are the
-  producer side (completion notifications counted by a :class:`~.nixl.CompletionTracker`).
+- **transfer** (flow 5), by role and mode (spec §4, §5):
+
+  ============  ===========================================  ===================================
+  mode          prefill                                      decode
+  ============  ===========================================  ===================================
+  ``pull``      :meth:`hold` / :meth:`completions`: counts   :meth:`pull`: READs from a
+                D's completion notifications                 preflighted peer, then notifies it
+                (:class:`~.nixl.CompletionTracker`)          (:class:`~.nixl.PullEngine`)
+  ``push``      :meth:`push`: WRITEs into a preflighted D    :meth:`expect` / :meth:`wait_received`
+                peer, the notification travels with the      / :meth:`completions`: counts P's
+                WRITE (:class:`~.nixl.PushEngine`)           notifications (``CompletionTracker``)
+  ============  ===========================================  ===================================
+
+  No transfer handshakes on the request path. Whoever moves the bytes loads the other side's
+  memory description at preflight: D loads P in pull mode, P loads D in push mode (P writes
+  into D's memory); the other side loads only the peer's NIXL agent, which is what accepting
+  its notifications (pull) or WRITEs (push) needs. Push refuses what vLLM's
+  ``NixlPushConnector`` refuses (spec §5): mixed-memory caches, at :meth:`start` on either
+  side and at preflight for a peer; different cache-group layouts, at preflight.
 
 Threads: NIXL is not assumed thread-safe, so every NIXL call happens under one lock. A
-progress thread polls the pull engine (heartbeats, asynchronous completions) or the
-producer's notifications every ``progress_interval_s``. Side-channel fetches run without
-the lock. Every wait has a deadline.
+progress thread polls the pull or push engine (heartbeats, asynchronous completions) or the
+notifications of the side that waits for them every ``progress_interval_s``. Side-channel
+fetches run without the lock. Every wait has a deadline.
 """
 
 from __future__ import annotations
@@ -182,7 +198,8 @@ class PeerReport:
 
 @dataclass(frozen=True)
 class TransferResult:
-    """Outcome of :meth:`AgentService.pull`: ``ok`` or a typed ``cause`` with a message."""
+    """Outcome of :meth:`AgentService.pull`, :meth:`~AgentService.push` or
+    :meth:`~AgentService.wait_received`: ``ok`` or a typed ``cause`` with a message."""
 
     request_id: str
     ok: bool
@@ -245,12 +262,17 @@ class AgentService:
         self._reports: dict[str, PeerReport] = {}
         self._results: dict[str, Any] = {}
         self._started: dict[str, float] = {}
+        self._expected: dict[str, list[list[int]]] = {}   # decode, push: rid -> local ids
+        self._released: dict[str, str] = {}               # rid -> ReleaseReason, for waiters
+        #: completion notifications processed (decode in push mode, prefill in pull mode)
+        self.notifications_received = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: Any = None
         self.agent: Any = None
         self.local: Any = None
         self.pull_engine: Any = None
+        self.push_engine: Any = None
         self.tracker: Any = None
         self.server: Any = None
         self.metadata: NixlAgentMetadata | None = None
@@ -265,10 +287,18 @@ class AgentService:
             LocalEngine,
             NixlAgent,
             PullEngine,
+            PushEngine,
+            UnsupportedTransferError,
         )
+        from .nixl._push import MIXED_MEMORY_MESSAGE
         from .sidechannel import SideChannelClient, SideChannelServer
 
         e, s = self.engine, self.settings
+        if e.mode == "push" and self.plan.mixed_mem_types:
+            # vLLM's NixlPushConnector refuses at registration, on both sides (spec §5).
+            raise UnsupportedTransferError(
+                f"{MIXED_MEMORY_MESSAGE} ({e.role} {e.engine_id!r} region memory types: "
+                f"{sorted(set(self.plan.mem_types))}); use mode pull or one memory type")
         try:
             self.agent = NixlAgent(
                 self.agent_name, AgentConfig(mem_types=s.mem_types or PRODUCTION_MEM_TYPES),
@@ -279,8 +309,10 @@ class AgentService:
             self.metadata = self._build_metadata()
             if e.role == DECODE and e.mode == "pull":
                 self.pull_engine = PullEngine(self.local, timeout_s=s.transfer_timeout_s)
-            else:
-                self.tracker = CompletionTracker()
+            elif e.role == PREFILL and e.mode == "push":
+                self.push_engine = PushEngine(self.local, timeout_s=s.transfer_timeout_s)
+            else:   # the side that waits for completion notifications
+                self.tracker = CompletionTracker(on_release=self._on_release)
             self.server = SideChannelServer(
                 {(0, e.tp_rank): make_payload(self.metadata, self.hash)},
                 host=s.side_channel_host, port=s.side_channel_port or 0,
@@ -317,10 +349,11 @@ class AgentService:
             self._client.close()
             self._client = None
         with self._lock:
-            if self.pull_engine is not None:
-                with contextlib.suppress(Exception):
-                    self.pull_engine.close()
-                self.pull_engine = None
+            for engine in (self.pull_engine, self.push_engine):
+                if engine is not None:
+                    with contextlib.suppress(Exception):
+                        engine.close()
+            self.pull_engine = self.push_engine = None
             if self.agent is not None:
                 with contextlib.suppress(Exception):
                     self.agent.close()
@@ -434,18 +467,24 @@ class AgentService:
         log.info("agent %s: dropping peer %s (%s, NIXL agent %s): %s", self.agent_name,
                  peer.ref.name, peer.ref.engine_id, peer.agent_name, why)
         try:
-            if self.pull_engine is not None:
-                self.pull_engine.remove_remote(peer.ref.engine_id, peer.ref.tp_rank)
+            if self._mover is not None:
+                self._mover.remove_remote(peer.ref.engine_id, peer.ref.tp_rank)
             elif self.agent is not None:
                 self.agent.remove_remote(peer.agent_name)
         except Exception as exc:  # the peer may be dead; removal is best effort
             log.warning("removing NIXL remote %s failed: %s", peer.agent_name, exc)
         metrics.PEERS.set(len(self._peers))
 
+    @property
+    def _mover(self) -> Any:
+        """The engine that moves bytes (pull: decode's PullEngine, push: prefill's PushEngine);
+        it needs the peer's full memory description, the other side only its NIXL agent."""
+        return self.pull_engine if self.pull_engine is not None else self.push_engine
+
     def handshake(self, ref: PeerRef) -> PeerReport:
         """Fetch ``ref``'s v11 metadata, validate it and load it into NIXL. Never raises for
         a peer problem: the report says what went wrong (and metrics count it)."""
-        from .nixl import RemoteEngine
+        from .nixl import RemoteEngine, UnsupportedTransferError
         from .sidechannel import HandshakeTimeoutError, RemoteRejectedError, SideChannelError
 
         started = time.perf_counter()
@@ -464,12 +503,12 @@ class AgentService:
                 with self._lock:
                     if self.agent is None:
                         raise RuntimeError("agent closed")
-                    if self.pull_engine is not None:
+                    if self._mover is not None:
                         desc = RemoteEngine.from_metadata(
                             meta, tp_rank=ref.tp_rank, tp_size=ref.tp_size,
                             local_region_group_ids=self.plan.group_ids,
                             local_mem_type=self.plan.mem_types[0])
-                        agent_name = self.pull_engine.add_remote(desc)
+                        agent_name = self._mover.add_remote(desc)
                     else:
                         if ref.key in self._peers:
                             self._drop(ref.key, "re-handshake")
@@ -488,7 +527,7 @@ class AgentService:
             result, message = "rejected", str(exc)
         except StalePeerError as exc:
             result, message = "stale", str(exc)
-        except ProtocolError as exc:
+        except (ProtocolError, UnsupportedTransferError) as exc:
             result, message = "incompatible", f"{type(exc).__name__}: {exc}"
         except (SideChannelError, Exception) as exc:
             result, message = "error", f"{type(exc).__name__}: {exc}"
@@ -505,8 +544,8 @@ class AgentService:
 
     def _unload(self, ref: PeerRef, agent_name: str) -> None:
         with contextlib.suppress(Exception):
-            if self.pull_engine is not None:
-                self.pull_engine.remove_remote(ref.engine_id, ref.tp_rank)
+            if self._mover is not None:
+                self._mover.remove_remote(ref.engine_id, ref.tp_rank)
             else:
                 self.agent.remove_remote(agent_name)
 
@@ -540,11 +579,52 @@ class AgentService:
         ``expected_epoch`` a peer loaded at another epoch fails with cause ``stale_peer``
         (nothing is posted). Failures never send the completion notification.
         """
-        from .nixl import PullRequest, TransferFailure
+        from .nixl import PullRequest
 
         if self.pull_engine is None:
             raise RuntimeError(f"agent {self.agent_name}: pull needs a decode agent in pull mode")
         timeout = self.settings.transfer_timeout_s if timeout_s is None else float(timeout_s)
+        return self._transfer(self.pull_engine, PullRequest(
+            request_id=request_id, remote_engine_id=remote_engine_id,
+            local_block_ids=local_block_ids, remote_block_ids=remote_block_ids,
+            remote_request_id=remote_request_id, timeout_s=timeout), expected_epoch, timeout)
+
+    def push(
+        self,
+        request_id: str,
+        remote_engine_id: str,
+        local_block_ids: Sequence[Sequence[int]],
+        remote_block_ids: Sequence[Sequence[int]],
+        *,
+        expected_epoch: int | None = None,
+        timeout_s: float | None = None,
+    ) -> TransferResult:
+        """Write this prefill engine's blocks into a preflighted decode engine (spec §5);
+        blocks until every WRITE is done or the deadline.
+
+        ``request_id`` is the id the decode side expects (:meth:`expect`); the completion
+        notification ``"{request_id}:{consumers}"`` travels with each WRITE, so the decode
+        side learns of it only after the bytes are in place. ``remote_block_ids`` are the
+        decode side's block ids (per group), ``local_block_ids`` this engine's. Never
+        handshakes; ``unknown_remote`` / ``stale_peer`` as in :meth:`pull`. A failed WRITE
+        never delivers the notification.
+        """
+        from .nixl import PushRequest
+
+        if self.push_engine is None:
+            raise RuntimeError(
+                f"agent {self.agent_name}: push needs a prefill agent in push mode")
+        timeout = self.settings.transfer_timeout_s if timeout_s is None else float(timeout_s)
+        return self._transfer(self.push_engine, PushRequest(
+            request_id=request_id, remote_engine_id=remote_engine_id,
+            local_block_ids=local_block_ids, remote_block_ids=remote_block_ids,
+            timeout_s=timeout), expected_epoch, timeout)
+
+    def _transfer(self, engine: Any, req: Any, expected_epoch: int | None,
+                  timeout: float) -> TransferResult:
+        from .nixl import TransferFailure
+
+        request_id, remote_engine_id = req.request_id, req.remote_engine_id
         with self._lock:
             ranks = [p for k, p in self._peers.items() if k[0] == remote_engine_id]
             if expected_epoch is not None and any(p.ref.epoch != expected_epoch for p in ranks):
@@ -553,10 +633,7 @@ class AgentService:
                                     f"{sorted({p.ref.epoch for p in ranks})}, request expects "
                                     f"{expected_epoch}")
             started = time.perf_counter()
-            self.pull_engine.start(PullRequest(
-                request_id=request_id, remote_engine_id=remote_engine_id,
-                local_block_ids=local_block_ids, remote_block_ids=remote_block_ids,
-                remote_request_id=remote_request_id, timeout_s=timeout))
+            engine.start(req)
             self._started[request_id] = started
             deadline = time.monotonic() + timeout + 5.0   # the engine's own deadline is first
             while request_id not in self._results:
@@ -582,33 +659,110 @@ class AgentService:
         log.warning("transfer %s failed (%s): %s", request_id, cause, message)
         return TransferResult(request_id, False, cause=cause, message=message)
 
+    def _waiting_side(self, what: str) -> Any:
+        if self.tracker is None:
+            e = self.engine
+            raise RuntimeError(
+                f"agent {self.agent_name}: {what} is for the side that waits for completion "
+                f"notifications (prefill in pull mode, decode in push mode), not a {e.role} "
+                f"agent in {e.mode} mode")
+        return self.tracker
+
     def hold(self, request_ids: Iterable[str], lease_s: float | None = None) -> None:
-        """Producer side: hold blocks of these requests until consumers notify completion."""
+        """Pull-mode producer side: hold blocks of these requests until consumers notify
+        completion (or the lease expires)."""
         with self._lock:
+            tracker = self._waiting_side("hold")
             for rid in request_ids:
-                self.tracker.register(rid, lease_s=lease_s)
+                tracker.register(rid, lease_s=lease_s)
+
+    def expect(self, request_id: str, local_block_ids: Sequence[Sequence[int]], *,
+               lease_s: float | None = None) -> None:
+        """Push-mode decode side: expect ``request_id`` to be written into these local blocks
+        (per group, logical ids; what the router hands the prefill side as its
+        ``remote_block_ids``). The ids are checked against the registered regions now
+        (``geometry.GeometryError``). The request completes when the prefill's WRITE
+        notifications arrive (:meth:`wait_received`, :meth:`completions`); without them it
+        expires after ``lease_s`` (default 30 s)."""
+        from .geometry import compute_desc_ids, expand_logical_to_kernel
+
+        if self.engine.role != DECODE or self.engine.mode != "push":
+            raise RuntimeError(f"agent {self.agent_name}: expect needs a decode agent in "
+                               "push mode")
+        ids = [[int(b) for b in g] for g in local_block_ids]
+        compute_desc_ids([expand_logical_to_kernel(g, self.engine.ppl) for g in ids],
+                         self.plan.region_num_blocks, self.plan.group_ids,
+                         region_names=self.plan.names)
+        with self._lock:
+            tracker = self._waiting_side("expect")
+            self._released.pop(request_id, None)
+            self._expected[request_id] = ids
+            tracker.register(request_id, lease_s=lease_s)
+
+    def wait_received(self, request_id: str, timeout_s: float | None = None) -> TransferResult:
+        """Push-mode decode side: block until the prefill's WRITE of ``request_id`` has
+        completed (its notification count reached), the request's lease expired (cause
+        ``expired``) or ``timeout_s`` passed (cause ``timeout``; the request stays expected).
+        """
+        timeout = self.settings.transfer_timeout_s if timeout_s is None else float(timeout_s)
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            tracker = self._waiting_side("wait_received")
+            if request_id not in self._expected:
+                raise KeyError(f"request {request_id!r} is not expected (see expect())")
+            while request_id not in self._released:
+                self._poll_locked()
+                if request_id in self._released:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return TransferResult(
+                        request_id, False, cause="timeout",
+                        message=f"no completion notification within {timeout} s "
+                                f"({tracker.received(request_id)} received)")
+                self._cond.wait(timeout=min(left, 0.002))
+            reason = self._released.pop(request_id)
+            self._expected.pop(request_id, None)
+        if reason == "completed":
+            return TransferResult(request_id, True)
+        return TransferResult(request_id, False, cause="expired",
+                              message="the lease expired before the completion notification")
+
+    def _on_release(self, request_id: str, reason: str) -> None:
+        if request_id in self._expected:   # only what a waiter may still ask for
+            self._released[request_id] = reason
+            self._cond.notify_all()
 
     def completions(self) -> dict[str, list[str]]:
-        """Producer side: requests freed since the last call, by reason."""
+        """The waiting side (prefill in pull mode, decode in push mode): requests completed
+        or expired since the last call."""
         with self._lock:
             if self.tracker is None:
                 return {"finished": [], "expired": []}
             self._poll_locked()
-            return {"finished": sorted(self.tracker.take_finished()),
-                    "expired": sorted(self.tracker.take_expired())}
+            finished = sorted(self.tracker.take_finished())
+            expired = sorted(self.tracker.take_expired())
+            for rid in (*finished, *expired):
+                self._expected.pop(rid, None)
+                self._released.pop(rid, None)
+            return {"finished": finished, "expired": expired}
 
     # -- progress ----------------------------------------------------------------------------
     def _poll_locked(self) -> None:
         if self.agent is None:
             return
-        if self.pull_engine is not None:
-            res = self.pull_engine.poll()
+        if self._mover is not None:
+            res = self._mover.poll()
             for r in (*res.finished, *res.failed):
                 self._results[r.request_id] = r
             if res.finished or res.failed:
                 self._cond.notify_all()
         elif self.tracker is not None:
-            self.tracker.poll(self.agent)
+            notifs = self.agent.get_notifs()
+            self.notifications_received += sum(
+                1 for msgs in notifs.values() for m in msgs if not bytes(m).startswith(b"HB:"))
+            self.tracker.process(notifs)
+            self.tracker.expire()
 
     def _progress_loop(self) -> None:
         interval = self.settings.progress_interval_s
