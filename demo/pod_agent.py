@@ -5,8 +5,13 @@ Started by the demo and the e2e tests (one process per simulated pod, possibly i
 network namespace). Control is JSON lines: commands on stdin, one reply line per command on
 stdout (logs go to stderr). The first stdout line is ``{"event": "ready", ...}``.
 
-Commands: ``status``; ``pull`` (decode: read blocks, verify them byte for byte against the
-producer's seeded pattern); ``hold`` / ``completions`` (prefill); ``exit``.
+Commands: ``status``; ``exit``; ``clear`` (zero the memory); ``verify`` (compare blocks byte
+for byte against a producer's seeded pattern). Pull mode: ``pull`` (decode: read blocks, then
+``verify`` them), ``hold`` / ``completions`` (prefill). Push mode: ``expect`` (decode: the
+local blocks a request will be written into), ``push`` (prefill: WRITE them),
+``wait_received`` (decode, then ``verify``) and ``completions`` (decode).
+
+``--tp-rank`` / ``--tp-size`` make the process one TP rank of its engine (one pod per rank).
 
 Memory presets (``--preset``):
 - ``grouped``: 4 MLA regions in 2 transfer groups, all VRAM (CPU-test map: DRAM in NIXL);
@@ -100,9 +105,10 @@ class PodAgent:
                                                              "kvbridge.io/agent": "true"})
         epoch = publisher.next_epoch(int(time.time() * 1000))
         self.service = AgentService(
-            views, EngineInfo(args.engine_id, args.role, block_size=16, kv_cache_layout="HND",
-                              attn_backend_name="FLASHMLA", is_mla=True),
-            COMPAT,
+            views, EngineInfo(args.engine_id, args.role, tp_rank=args.tp_rank,
+                              tp_size=args.tp_size, block_size=16, kv_cache_layout="HND",
+                              attn_backend_name="FLASHMLA", is_mla=True, mode=args.mode),
+            {**COMPAT, "transfer_mode": args.mode},
             AgentSettings(side_channel_host=args.host, side_channel_port=args.port,
                           mem_types=CPU_TEST_MEM_TYPES, epoch=epoch,
                           handshake_timeout_s=args.handshake_timeout,
@@ -115,24 +121,34 @@ class PodAgent:
 
     def status(self) -> dict[str, Any]:
         return {"epoch": self.service.epoch, "agent": self.service.agent_name,
+                "tp_rank": self.service.engine.tp_rank, "mode": self.service.engine.mode,
                 "port": self.service.port, "metrics_port": self.metrics_port,
                 "pid": os.getpid(),
                 "peers": {n: r.epoch for n, r in self.service.peers().items()},
                 "handshakes": [r.to_status() | {"reason": r.reason}
                                for r in self.service.reports()]}
 
+    @staticmethod
+    def result(res: Any) -> dict[str, Any]:
+        return {"ok": res.ok, "nbytes": res.nbytes, "descs": res.descs, "parts": res.parts,
+                "seconds": res.seconds, "gbps": res.throughput_gbps, "cause": res.cause,
+                "message": res.message}
+
     def pull(self, cmd: dict[str, Any]) -> dict[str, Any]:
         local, remote = cmd["local_block_ids"], cmd["remote_block_ids"]
         res = self.service.pull(cmd["request_id"], cmd["remote_engine_id"], local, remote,
                                 expected_epoch=cmd.get("expected_epoch"),
                                 timeout_s=cmd.get("timeout_s"))
-        out: dict[str, Any] = {"ok": res.ok, "nbytes": res.nbytes, "descs": res.descs,
-                               "parts": res.parts, "seconds": res.seconds,
-                               "gbps": res.throughput_gbps, "cause": res.cause,
-                               "message": res.message}
+        out = self.result(res)
         if res.ok and cmd.get("verify_seed") is not None:
             out["verified"] = self.verify(int(cmd["verify_seed"]), local, remote)
         return out
+
+    def push(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return self.result(self.service.push(
+            cmd["request_id"], cmd["remote_engine_id"], cmd["local_block_ids"],
+            cmd["remote_block_ids"], expected_epoch=cmd.get("expected_epoch"),
+            timeout_s=cmd.get("timeout_s")))
 
     def verify(self, seed: int, local: list[list[int]], remote: list[list[int]]) -> bool:
         blen = block_len(self.args.preset)
@@ -155,6 +171,18 @@ class PodAgent:
             return {"ok": True}
         if op == "completions":
             return self.service.completions()
+        if op == "push":
+            return self.push(cmd)
+        if op == "expect":
+            self.service.expect(cmd["request_id"], cmd["local_block_ids"],
+                                lease_s=cmd.get("lease_s"))
+            return {"ok": True}
+        if op == "wait_received":
+            return self.result(self.service.wait_received(cmd["request_id"],
+                                                          cmd.get("timeout_s")))
+        if op == "verify":
+            return {"verified": self.verify(int(cmd["seed"]), cmd["local_block_ids"],
+                                            cmd["remote_block_ids"])}
         if op == "clear":
             for b in self.bufs:
                 b.fill(0)
@@ -174,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-id", required=True)
     ap.add_argument("--preset", choices=("grouped", "mixed", "bad-block"), default="grouped")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--mode", choices=("pull", "push"), default="pull")
+    ap.add_argument("--tp-rank", type=int, default=0)
+    ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--metrics-port", type=int, default=-1)
