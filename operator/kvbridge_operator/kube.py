@@ -1,8 +1,10 @@
 """The only Kubernetes API caller besides kopf itself: status merge patches.
 
 Uses the official client in a small thread pool (it is synchronous). 404 on a patch is
-tolerated (the object went away; its deletion triggers a new plan anyway); other API errors
-become :class:`KubeError` naming the object.
+tolerated (the object went away; its deletion triggers a new plan anyway), and so is 409 on a
+patch with a ``resourceVersion`` precondition (the object changed since it was read; its
+watch event brings the new state); other API errors become :class:`KubeError` naming the
+object.
 """
 
 from __future__ import annotations
@@ -40,7 +42,17 @@ class Kube:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
-    async def _patch_status(self, plural: str, namespace: str, name: str, status: dict) -> bool:
+    async def _patch_status(
+        self,
+        plural: str,
+        namespace: str,
+        name: str,
+        status: dict,
+        resource_version: str | None = None,
+    ) -> bool:
+        body: dict[str, Any] = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
         try:
             await self._call(
                 self._api.patch_namespaced_custom_object_status,
@@ -49,10 +61,10 @@ class Kube:
                 namespace,
                 plural,
                 name,
-                {"status": status},
+                body,
             )
         except ApiException as exc:
-            if exc.status == 404:
+            if exc.status == 404 or (exc.status == 409 and resource_version):
                 return False
             raise KubeError(
                 f"patching {plural}/{name} status in {namespace}: {exc.status} {exc.reason}"
@@ -63,9 +75,12 @@ class Kube:
         """Merge-patch a KVTransfer's status; False when the object is gone."""
         return await self._patch_status(TRANSFERS, namespace, name, status)
 
-    async def patch_endpoint_status(self, namespace: str, name: str, status: dict) -> bool:
-        """Merge-patch operator-owned KVEndpoint status keys; False when the object is gone."""
-        return await self._patch_status(ENDPOINTS, namespace, name, status)
+    async def patch_endpoint_status(
+        self, namespace: str, name: str, status: dict, resource_version: str | None = None
+    ) -> bool:
+        """Merge-patch operator-owned KVEndpoint status keys; False when the object is gone,
+        or, with ``resource_version``, when it changed since that version."""
+        return await self._patch_status(ENDPOINTS, namespace, name, status, resource_version)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -2,8 +2,10 @@
 
 Handlers only translate kopf kwargs and call into ``reconciler`` / ``admission``:
 
-- ``endpoints_by_transfer`` / ``node_labels``: in-memory indexes fed by kopf's watches;
-- ``endpoint_event`` / ``transfer_event``: wake the KVTransfer's planning loop;
+- ``endpoints_by_transfer`` / ``transfers`` / ``node_labels``: in-memory indexes fed by
+  kopf's watches;
+- ``endpoint_event`` / ``transfer_event``: wake the KVTransfer's planning loop, and mark
+  endpoints whose KVTransfer does not exist (or was just deleted) ``Orphaned``;
 - ``plan_transfer``: the per-KVTransfer daemon (plan, write, wait);
 - ``release_endpoints``: on KVTransfer deletion (finalizer ``kvbridge.io/finalizer``);
 - ``validate_kvendpoint`` / ``validate_kvtransfer``: admission webhooks;
@@ -72,6 +74,12 @@ def endpoints_by_transfer(body: kopf.Body, namespace: str, name: str, **_: Any) 
     return {(namespace, endpoint.transfer): endpoint}
 
 
+@kopf.index(GROUP, VERSION, TRANSFERS)
+def transfers(namespace: str, name: str, **_: Any) -> Any:
+    """(namespace, name) of every KVTransfer, to tell orphaned KVEndpoints apart."""
+    return {(namespace, name): True}
+
+
 @kopf.index("v1", "nodes")
 def node_labels(name: str, labels: kopf.Labels, **_: Any) -> Any:
     """node name -> labels, for the TopologyAware pairing policy."""
@@ -89,13 +97,35 @@ def node_event(name: str, labels: kopf.Labels, type: str | None, **_: Any) -> No
 
 
 @kopf.on.event(GROUP, VERSION, ENDPOINTS)
-def endpoint_event(namespace: str, spec: kopf.Spec, **_: Any) -> None:
-    reconciler.wake(namespace, spec.get("transferName"))
+async def endpoint_event(
+    namespace: str,
+    spec: kopf.Spec,
+    body: kopf.Body,
+    type: str | None,
+    transfers: kopf.Index,
+    **_: Any,
+) -> None:
+    """Wake the endpoint's KVTransfer loop; with no such KVTransfer, say so on the endpoint."""
+    transfer = spec.get("transferName")
+    reconciler.wake(namespace, transfer)
+    if type == "DELETED" or (namespace, transfer) in transfers:
+        return
+    try:
+        endpoint = parse_endpoint(body)
+    except SpecError:
+        return  # logged by the index
+    await reconciler.orphan(endpoint, _STATE["kube"])
 
 
 @kopf.on.event(GROUP, VERSION, TRANSFERS)
-def transfer_event(namespace: str, name: str, **_: Any) -> None:
+async def transfer_event(
+    namespace: str, name: str, type: str | None, endpoints_by_transfer: kopf.Index, **_: Any
+) -> None:
+    """Wake the KVTransfer's loop; once it is gone, its endpoints say it was deleted."""
     reconciler.wake(namespace, name)
+    if type == "DELETED":
+        for e in _endpoints(endpoints_by_transfer, namespace, name):
+            await reconciler.orphan(e, _STATE["kube"], deleted=True)
 
 
 @kopf.daemon(

@@ -15,6 +15,7 @@ class EndpointState(StrEnum):
     INCOMPATIBLE = "Incompatible"
     STALE = "Stale"
     EXCLUDED = "Excluded"
+    ORPHANED = "Orphaned"  # spec.transferName names no KVTransfer (written outside plans)
 
 
 class PairState(StrEnum):

@@ -190,13 +190,44 @@ def _with_removals(stored: Mapping[str, Any], new: dict[str, Any]) -> dict[str, 
 
 
 async def release(namespace: str, name: str, endpoints: Iterable[Endpoint], kube: Kube) -> int:
-    """Withdraw the peers of every endpoint of a KVTransfer being deleted; returns writes."""
+    """Withdraw the peers of every endpoint of a KVTransfer being deleted; returns writes.
+
+    The endpoints become ``Orphaned`` with reason ``TransferDeleted`` (see :func:`orphan`).
+    """
     writes = 0
     for e in endpoints:
-        desired = status.released_endpoint_status(e, name)
+        desired = status.orphaned_endpoint_status(e, deleted=True)
         if status.owned_part(e.status) != desired and await kube.patch_endpoint_status(
             namespace, e.name, desired
         ):
+            metrics.STATUS_WRITES.labels("KVEndpoint").inc()
             writes += 1
     metrics.forget(namespace, name)
     return writes
+
+
+async def orphan(endpoint: Endpoint, kube: Kube, *, deleted: bool = False) -> bool:
+    """Say on a KVEndpoint that its KVTransfer does not exist; True when written.
+
+    Written once: nothing is sent while the stored status already says so (a kept
+    ``TransferDeleted`` included). The patch carries the ``resourceVersion`` the decision was
+    based on, so it loses (409, ignored) against a plan written meanwhile by the loop of a
+    KVTransfer that has just appeared; that loop re-plans the endpoint when it appears.
+    """
+    if endpoint.deleting:
+        return False
+    if deleted:
+        desired = status.orphaned_endpoint_status(endpoint, deleted=True)
+    else:
+        desired = status.orphaned_status_for(endpoint)
+    if status.owned_part(endpoint.status) == desired:
+        return False
+    written = await kube.patch_endpoint_status(
+        endpoint.namespace,
+        endpoint.name,
+        desired,
+        resource_version=endpoint.resource_version or None,
+    )
+    if written:
+        metrics.STATUS_WRITES.labels("KVEndpoint").inc()
+    return written

@@ -112,6 +112,7 @@ class Endpoint:
     geometry: Geometry
     handshakes: tuple[Handshake, ...] = ()
     status: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    resource_version: str = field(default="", compare=False, hash=False)
 
     @property
     def label_map(self) -> dict[str, str]:
@@ -233,6 +234,7 @@ def parse_endpoint(body: Mapping[str, Any]) -> Endpoint:
         geometry=parse_geometry(_get(spec, "geometry", "spec", Mapping)),
         handshakes=tuple(handshakes),
         status=own,
+        resource_version=str(meta.get("resourceVersion") or ""),
     )
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from .planner import DesiredCondition, EndpointPlan, Plan
+from .planner import DesiredCondition, EndpointPlan, EndpointState, Plan
 from .spec import Endpoint
 
 #: KVEndpoint status keys the operator owns.
@@ -133,16 +133,39 @@ def endpoint_status(verdict: EndpointPlan, endpoint: Endpoint) -> dict[str, Any]
     }
 
 
-def released_endpoint_status(endpoint: Endpoint, transfer: str) -> dict[str, Any]:
-    """Status for endpoints of a KVTransfer being deleted: no peers any more."""
+def orphaned_endpoint_status(endpoint: Endpoint, *, deleted: bool = False) -> dict[str, Any]:
+    """Status for an endpoint whose ``spec.transferName`` names no KVTransfer: no peers.
+
+    ``deleted`` says the KVTransfer existed and was deleted (reason ``TransferDeleted``);
+    otherwise it was never found (``TransferNotFound``).
+    """
+    t, ns = endpoint.transfer, endpoint.namespace
+    if deleted:
+        reason = "TransferDeleted"
+        why = f"KVTransfer {t} (spec.transferName) in namespace {ns} was deleted; peers withdrawn"
+    else:
+        reason = "TransferNotFound"
+        why = f"no KVTransfer named {t} (spec.transferName) exists in namespace {ns}"
     return {
         "observedGeneration": endpoint.generation,
         "observedEpoch": endpoint.epoch,
-        "state": "Excluded",
-        "reason": "TransferDeleted",
-        "message": f"KVTransfer {transfer} is being deleted; peers withdrawn",
+        "state": str(EndpointState.ORPHANED),
+        "reason": reason,
+        "message": f"{why}; this endpoint stays idle until a KVTransfer {t} is created there",
         "peers": [],
     }
+
+
+def orphaned_status_for(endpoint: Endpoint) -> dict[str, Any]:
+    """The orphan status to keep for ``endpoint``: ``TransferDeleted`` stays while its spec
+    is unchanged (the more specific story), anything else becomes ``TransferNotFound``."""
+    stored = endpoint.status or {}
+    deleted = (
+        stored.get("state") == EndpointState.ORPHANED
+        and stored.get("reason") == "TransferDeleted"
+        and stored.get("observedGeneration") == endpoint.generation
+    )
+    return orphaned_endpoint_status(endpoint, deleted=deleted)
 
 
 def owned_part(status: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -1,0 +1,79 @@
+"""KVEndpoints whose KVTransfer does not exist: the Orphaned status, written once. No cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from kvbridge_operator import reconciler
+from kvbridge_operator import status as st
+from kvbridge_operator import testing as T
+from kvbridge_operator.spec import Endpoint, parse_endpoint
+
+
+class FakeKube:
+    """Records status patches; ``conflict`` answers as a 409 on a stale resourceVersion."""
+
+    def __init__(self, conflict: bool = False) -> None:
+        self.patches: list[tuple[str, str, dict[str, Any], str | None]] = []
+        self.conflict = conflict
+
+    async def patch_endpoint_status(self, namespace: str, name: str, status: dict,
+                                    resource_version: str | None = None) -> bool:  # fmt: skip
+        self.patches.append((namespace, name, status, resource_version))
+        return not self.conflict
+
+
+def orphan_ep(**kw: Any) -> Endpoint:
+    body = T.endpoint_manifest("d0-0", role="decode", engine_id="d0", transfer="gone",
+                               namespace="serving", **kw)  # fmt: skip
+    body["metadata"].update(resourceVersion="42", generation=3)
+    return parse_endpoint(body)
+
+
+def orphan(e: Endpoint, kube: FakeKube, **kw: Any) -> bool:
+    return asyncio.run(reconciler.orphan(e, kube, **kw))  # type: ignore[arg-type]
+
+
+def test_orphan_status_names_the_transfer_and_namespace() -> None:
+    e = orphan_ep()
+    s = st.orphaned_endpoint_status(e)
+    assert (s["state"], s["reason"], s["peers"]) == ("Orphaned", "TransferNotFound", [])
+    assert "KVTransfer named gone (spec.transferName)" in s["message"]
+    assert "namespace serving" in s["message"]
+    assert (s["observedGeneration"], s["observedEpoch"]) == (3, 1)
+    d = st.orphaned_endpoint_status(e, deleted=True)
+    assert d["reason"] == "TransferDeleted" and "gone" in d["message"] and "deleted" in d["message"]
+    assert set(s) == set(d) == set(st.ENDPOINT_KEYS)  # replaces every operator-owned key
+
+
+def test_orphan_is_written_once_with_a_resource_version_precondition() -> None:
+    e, kube = orphan_ep(), FakeKube()
+    assert orphan(e, kube)
+    assert kube.patches == [("serving", "d0-0", st.orphaned_endpoint_status(e), "42")]
+    echoed = dataclasses.replace(e, status=kube.patches[0][2], resource_version="43")
+    assert not orphan(echoed, kube)  # the watch echo: nothing to write
+    assert len(kube.patches) == 1
+
+
+def test_transfer_deleted_is_kept_until_the_spec_changes() -> None:
+    e, kube = orphan_ep(), FakeKube()
+    assert orphan(e, kube, deleted=True)
+    deleted = dataclasses.replace(e, status=kube.patches[0][2])
+    assert not orphan(deleted, kube)  # a later event does not downgrade to TransferNotFound
+    assert len(kube.patches) == 1
+    restarted = dataclasses.replace(deleted, generation=4, epoch=2)
+    assert orphan(restarted, kube)
+    assert kube.patches[-1][2]["reason"] == "TransferNotFound"
+    assert kube.patches[-1][2]["observedEpoch"] == 2
+
+
+def test_orphan_overwrites_a_stale_plan_but_not_a_terminating_endpoint() -> None:
+    planned = {"state": "Paired", "reason": "Paired", "message": "", "peers": [{"name": "p"}]}
+    e, kube = dataclasses.replace(orphan_ep(), status=planned), FakeKube()
+    assert orphan(e, kube)
+    assert kube.patches[0][2]["peers"] == []
+    assert not orphan(dataclasses.replace(e, deleting=True), kube)
+    assert not orphan(e, FakeKube(conflict=True))  # lost against a newer write: not counted
+    assert len(kube.patches) == 1
