@@ -4,19 +4,26 @@ control plane binaries are cached; the first run builds them, ~7-10 minutes).
 1. ensure the local control plane binaries (hack/test-stack.sh ensure), start etcd +
    kube-apiserver + kube-controller-manager and the node simulator (FakeKubelet);
 2. install the Helm chart (operator Deployment scaled to 0: the operator runs here as a local
-   ``kopf run`` process with the chart's operator ServiceAccount token);
+   ``kopf run`` process with the chart's operator ServiceAccount token, serving the admission
+   webhook over loopback TLS; the chart's Service-based webhook is replaced by a
+   ValidatingWebhookConfiguration with that URL);
 3. apply examples/demo-kvtransfer.yaml; start a prefill and a decode pod (real Pod objects,
    each backed by an agent process with real memory and real NIXL, using a pod-bound token);
 4. show the pairing and the preflight handshakes, run a grouped + mixed-memory pull with
    byte-exact verification and its throughput;
-5. start an incompatible decode pod and show the operator refusing it, with the reason;
-6. print ``kubectl get kvtransfers,kvendpoints``; clean everything up (also on Ctrl-C).
+5. show the admission webhook refusing a malformed KVEndpoint (tpRank >= tpSize) and a pod
+   overwriting another pod's endpoint, with their messages;
+6. start an incompatible decode pod and show the operator refusing it, with the reason;
+7. print ``kubectl get kvtransfers,kvendpoints``; clean everything up (also on Ctrl-C).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -95,10 +102,13 @@ def run(cleanup: list) -> int:
         check=True, capture_output=True, text=True, timeout=120)
     k("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
 
-    say("starting the operator (kopf run, chart's operator ServiceAccount token) ...")
+    say("starting the operator (kopf run, chart's operator ServiceAccount token, admission "
+        "webhook on loopback TLS) ...")
     token = k("create", "token", RELEASE, "-n", SYS_NS, "--duration=3600s").stdout.strip()
     kubeconfig = cluster.kubeconfig_for_token(token, "operator")
-    liveness = kc.free_port()
+    liveness, webhook_port = kc.free_port(), kc.free_port()
+    cert, key = kc.make_serving_cert(Path(cluster.workdir) / "webhook", "webhook",
+                                     ["127.0.0.1", "localhost"])
     log = open(Path(cluster.workdir) / "operator.log", "wb")   # noqa: SIM115
     op = subprocess.Popen(
         [sys.executable, "-m", "kopf", "run", "--all-namespaces",
@@ -106,7 +116,9 @@ def run(cleanup: list) -> int:
         stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "KUBECONFIG": str(kubeconfig), "KVBRIDGE_PEERING": "",
              "KVBRIDGE_METRICS_PORT": str(kc.free_port()), "KVBRIDGE_METRICS_ADDR": "127.0.0.1",
-             "KVBRIDGE_DEBOUNCE": "0.1",
+             "KVBRIDGE_WEBHOOK_PORT": str(webhook_port), "KVBRIDGE_WEBHOOK_ADDR": "127.0.0.1",
+             "KVBRIDGE_WEBHOOK_HOST": "127.0.0.1", "KVBRIDGE_WEBHOOK_CERT": str(cert),
+             "KVBRIDGE_WEBHOOK_KEY": str(key), "KVBRIDGE_DEBOUNCE": "0.1",
              "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'agent'}"})
 
     def stop_op() -> None:
@@ -119,6 +131,9 @@ def run(cleanup: list) -> int:
         log.close()
 
     cleanup.append(stop_op)
+    register_webhook(cluster, op, webhook_port, Path(cert).read_bytes(), cleanup)
+    say(f"admission webhook registered (https://127.0.0.1:{webhook_port}, "
+        "ValidatingWebhookConfiguration kvbridge-validation) and answering")
     k("apply", "-n", NS, "-f", str(REPO / "examples" / "demo-kvtransfer.yaml"))
     say("applied examples/demo-kvtransfer.yaml (KVTransfer kvt)")
 
@@ -175,6 +190,8 @@ def run(cleanup: list) -> int:
         f"median {statistics.median(rates):.2f} GB/s over {len(rates)} requests; "
         "prefill got every completion notification")
 
+    show_admission(cluster, custom, sa)
+
     bad = SimPod(cluster, NS, "decode-bad", role="decode", engine_id="decode-bad",
                  preset="bad-block", sa=sa)
     pods.append(bad)
@@ -192,6 +209,91 @@ def run(cleanup: list) -> int:
     print(k("get", "kvtransfers,kvendpoints", "-n", NS, "-o", "wide").stdout, flush=True)
     say("demo finished")
     return 0
+
+
+def register_webhook(cluster: kc.LocalCluster, op: subprocess.Popen, port: int, ca: bytes,
+                     cleanup: list) -> None:
+    """Wait for the operator's webhook server, register the ValidatingWebhookConfiguration
+    (URL form, the caller's CA) and wait until the apiserver calls it."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+    from sim import wait_until
+
+    from kvbridge_operator.webhook import webhook_configuration
+
+    def listening() -> bool:
+        if op.poll() is not None:
+            raise SystemExit(f"the operator exited (rc {op.returncode}); see its log in "
+                             f"{cluster.workdir}/operator.log")
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_until(listening, timeout=60, interval=0.1, what="the operator's webhook server")
+    reg = client.AdmissionregistrationV1Api(cluster.api_client())
+    reg.create_validating_webhook_configuration(webhook_configuration(
+        "kvbridge-validation", ca, url=f"https://127.0.0.1:{port}"))
+
+    def unregister() -> None:   # before the operator stops: no write waits on a dead webhook
+        reg.delete_validating_webhook_configuration("kvbridge-validation")
+
+    cleanup.append(unregister)
+    custom = client.CustomObjectsApi(cluster.api_client())
+    probe = {"apiVersion": "kvbridge.io/v1alpha1", "kind": "KVTransfer",
+             "metadata": {"name": "webhook-probe"},
+             "spec": {"protocolVersion": 10, "mode": "pull",
+                      "prefill": {"tensorParallelSize": 1},
+                      "decode": {"tensorParallelSize": 1}}}
+
+    def answering() -> bool:   # a dry-run the webhook (and only the webhook) refuses
+        try:
+            custom.create_namespaced_custom_object("kvbridge.io", "v1alpha1", NS,
+                                                   "kvtransfers", probe, dry_run="All")
+        except ApiException as exc:
+            return exc.status == 422 and "spec.protocolVersion" in exc.body
+        return False
+
+    wait_until(answering, timeout=30, interval=0.2, what="the apiserver to call the webhook")
+
+
+def show_admission(cluster: kc.LocalCluster, custom: object, sa: str) -> None:
+    """As decode-0 (its pod-bound token): a malformed KVEndpoint, then an attempt to redirect
+    prefill-0's side channel; the webhook refuses both with a message."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+    from sim import pod_bound_token
+
+    token = pod_bound_token(cluster.kubectl, NS, sa, "decode-0", seconds=600)
+    as_decode = client.CustomObjectsApi(
+        cluster.api_client(cluster.kubeconfig_for_token(token, "demo-decode-0")))
+    own = custom.get_namespaced_custom_object(  # type: ignore[attr-defined]
+        "kvbridge.io", "v1alpha1", NS, "kvendpoints", "decode-0")
+    bad = {"apiVersion": "kvbridge.io/v1alpha1", "kind": "KVEndpoint",
+           "metadata": {"name": "decode-0-rank2",
+                        "ownerReferences": own["metadata"]["ownerReferences"]},
+           "spec": {**own["spec"], "tpRank": 2, "tpSize": 1}}
+    attempts = [
+        ("decode-0 publishes a KVEndpoint with tpRank 2 of tpSize 1",
+         lambda: as_decode.create_namespaced_custom_object(
+             "kvbridge.io", "v1alpha1", NS, "kvendpoints", bad)),
+        ("decode-0 rewrites prefill-0's side-channel address to 10.9.9.9",
+         lambda: as_decode.patch_namespaced_custom_object(
+             "kvbridge.io", "v1alpha1", NS, "kvendpoints", "prefill-0",
+             {"spec": {"sideChannel": {"host": "10.9.9.9", "port": 5600}}})),
+    ]
+    for what, call in attempts:
+        try:
+            call()
+        except ApiException as exc:
+            message = str(json.loads(exc.body).get("message", exc.reason))
+            head, sep, problems = message.partition("denied the request: ")
+            by = head.strip() if sep else "the apiserver"
+            say(f"admission: {what}: refused (HTTP {exc.status}) by {by}:")
+            # The webhook joins its problems with "; ", each starting with a field path.
+            for problem in re.split(r"; (?=(?:metadata|spec)\.)", problems or message):
+                print(f"           - {problem[:220]}", flush=True)
+        else:
+            raise SystemExit(f"admission: {what}: was ADMITTED; the webhook is not working")
 
 
 if __name__ == "__main__":
