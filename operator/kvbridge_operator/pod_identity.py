@@ -76,7 +76,7 @@ def check_pod_identity(body: Mapping[str, Any], userinfo: Mapping[str, Any] | No
     if spec_pod is not None and spec_pod != requester:
         errors.append(f"spec.podName: expected the requesting pod {requester!r}, got {spec_pod!r}")
     req_uid = _extra(userinfo, POD_UID_EXTRA)
-    if req_uid and uid and uid != req_uid:
+    if name == requester and req_uid and uid and uid != req_uid:
         errors.append(f"metadata.ownerReferences: owner Pod uid {uid!r} is not the requesting "
                       f"pod's uid {req_uid!r} (a pod of the same name from an earlier life?)")
     return errors

@@ -42,6 +42,11 @@ def test_uid_mismatch_is_rejected() -> None:
     assert any("uid" in e for e in errors)
 
 
+def test_another_pods_endpoint_is_not_blamed_on_an_earlier_life() -> None:
+    errors = check_pod_identity(body(pod="p-1", uid="u1"), user(pod="p-0", uid="u0"))
+    assert errors and not any("earlier life" in e for e in errors)
+
+
 def test_token_without_pod_binding_is_rejected() -> None:
     errors = check_pod_identity(body(), user(pod=None, uid=None))
     assert errors and "pod-bound" in errors[0]
