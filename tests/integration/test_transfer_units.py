@@ -41,7 +41,7 @@ def test_public_names_are_pinned():
         "LocalEngine", "LocalLists", "MemTypeMap", "NixlAgent", "NixlCallError",
         "NixlUnavailableError", "NotificationError", "PollResult", "PullEngine",
         "PullRequest", "PushEngine", "PushRequest", "ReadIds", "ReleaseReason",
-        "RemoteEngine", "RemoteNotFoundError", "RequestState", "TransferDone",
+        "RemoteEngine", "RemoteNotFoundError", "RequestState", "TransferDone", "TransferEngine",
         "TransferFailure", "UnsupportedTransferError", "XferHandle", "XferState",
         "completion_message", "heartbeat_message", "load_nixl", "parse_notification",
         "plan_read_ids",

@@ -51,6 +51,7 @@ No win, so it is off by default. Keep it for NIXL builds or backends that do not
 """
 
 from ._agent import LOCAL_AGENT, AgentConfig, DList, NixlAgent, XferHandle, XferState
+from ._engine import PollResult, TransferEngine
 from ._errors import (
     DataPlaneError,
     FailureCause,
@@ -73,7 +74,7 @@ from ._notifications import (
     parse_notification,
 )
 from ._producer import DEFAULT_LEASE_S, CompletionTracker, ReleaseReason
-from ._pull import DEFAULT_COALESCE, PollResult, PullEngine, PullRequest
+from ._pull import DEFAULT_COALESCE, PullEngine, PullRequest
 from ._push import PushEngine, PushRequest
 from ._readplan import ReadIds, plan_read_ids
 from ._remote import RemoteEngine
@@ -111,6 +112,7 @@ __all__ = [
     "RemoteNotFoundError",
     "RequestState",
     "TransferDone",
+    "TransferEngine",
     "TransferFailure",
     "UnsupportedTransferError",
     "XferHandle",

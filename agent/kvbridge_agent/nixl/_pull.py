@@ -40,18 +40,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import geometry as geo
+from ._engine import PollResult, TransferEngine
 from ._errors import (
     FailureCause,
     RemoteNotFoundError,
-    TransferFailure,
     UnsupportedTransferError,
 )
 from ._heartbeat import HeartbeatSender
-from ._inflight import Result, TransferDone, Transfers
 from ._local import LocalEngine
 from ._notifications import completion_message
 from ._parts import make_part
-from ._peers import RemotePeer, RemotePeers
+from ._peers import RemotePeer
 from ._producer import DEFAULT_LEASE_S
 from ._readplan import plan_read_ids
 from ._remote import RemoteEngine
@@ -95,23 +94,7 @@ class PullRequest:
         return self.remote_request_id or self.request_id
 
 
-@dataclass(frozen=True)
-class PollResult:
-    """What :meth:`PullEngine.poll` found terminal since the last call."""
-
-    finished: tuple[TransferDone, ...] = ()
-    failed: tuple[TransferFailure, ...] = ()
-
-    @property
-    def finished_ids(self) -> set[str]:
-        return {d.request_id for d in self.finished}
-
-    @property
-    def failed_ids(self) -> set[str]:
-        return {f.request_id for f in self.failed}
-
-
-class PullEngine:
+class PullEngine(TransferEngine):
     """Decode-side reader over one :class:`LocalEngine`.
 
     Args:
@@ -131,16 +114,11 @@ class PullEngine:
         lease_s: float = DEFAULT_LEASE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.local = local
-        self.agent = local.agent
-        self.timeout_s = float(timeout_s)
-        self.coalesce = bool(coalesce)
-        self._clock = clock
-        self.peers = RemotePeers(self.agent)
+        super().__init__(local, timeout_s=timeout_s, coalesce=coalesce, clock=clock,
+                         on_terminal=self._terminal)
         self.heartbeats = HeartbeatSender(self.agent.send_notif, lease_s=lease_s, clock=clock)
         self._notif_ids: dict[str, str] = {}
         self._read_geo: dict[tuple[int, geo.TPMapping], tuple[np.ndarray, np.ndarray]] = {}
-        self._transfers = Transfers(self.agent, clock=clock, on_terminal=self._terminal)
 
     # -- peers ---------------------------------------------------------------------------
     def add_remote(self, desc: RemoteEngine) -> str:
@@ -272,32 +250,6 @@ class PullEngine:
     def poll(self) -> PollResult:
         """Non-blocking: advance every request; report those finished/failed since the last
         call (each exactly once). Also sends due heartbeats."""
-        results = self._transfers.poll()
+        result = super().poll()
         self.heartbeats.tick()
-        return PollResult(
-            finished=tuple(r for r in results if isinstance(r, TransferDone)),
-            failed=tuple(r for r in results if isinstance(r, TransferFailure)))
-
-    def wait(self, request_id: str, timeout_s: float | None = None) -> Result:
-        """Block until ``request_id`` is terminal or the deadline (then: TIMEOUT failure).
-
-        Returns :class:`TransferDone` or :class:`TransferFailure`. Raises KeyError if the
-        request is unknown or was already reported by :meth:`poll`.
-        """
-        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
-        return self._transfers.wait(request_id, self._clock() + timeout)
-
-    def in_flight(self) -> tuple[str, ...]:
-        return self._transfers.active()
-
-    def close(self) -> None:
-        """Cancel in-flight requests (no notifications) and drop every remote."""
-        self._transfers.close()
-        self.peers.close()
-
-    def __enter__(self) -> PullEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
+        return result

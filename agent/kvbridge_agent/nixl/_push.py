@@ -16,13 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import geometry as geo
-from ._errors import FailureCause, RemoteNotFoundError, TransferFailure, UnsupportedTransferError
-from ._inflight import Result, TransferDone, Transfers
+from ._engine import TransferEngine
+from ._errors import FailureCause, RemoteNotFoundError, UnsupportedTransferError
 from ._local import LocalEngine
 from ._notifications import completion_message
 from ._parts import make_part
-from ._peers import RemotePeers
-from ._pull import DEFAULT_COALESCE, PollResult
+from ._pull import DEFAULT_COALESCE
 from ._remote import RemoteEngine
 
 __all__ = ["PushEngine", "PushRequest"]
@@ -52,7 +51,7 @@ class PushRequest:
     timeout_s: float | None = None
 
 
-class PushEngine:
+class PushEngine(TransferEngine):
     """Producer-side writer over one :class:`LocalEngine`.
 
     Raises:
@@ -71,13 +70,7 @@ class PushEngine:
             raise UnsupportedTransferError(
                 f"{MIXED_MEMORY_MESSAGE} (local region memory types: "
                 f"{sorted(set(local.plan.mem_types))})")
-        self.local = local
-        self.agent = local.agent
-        self.timeout_s = float(timeout_s)
-        self.coalesce = bool(coalesce)
-        self._clock = clock
-        self.peers = RemotePeers(self.agent)
-        self._transfers = Transfers(self.agent, clock=clock)
+        super().__init__(local, timeout_s=timeout_s, coalesce=coalesce, clock=clock)
 
     def add_remote(self, desc: RemoteEngine) -> str:
         """Load a consumer rank. Raises UnsupportedTransferError for a mixed-memory consumer
@@ -160,26 +153,3 @@ class PushEngine:
                     rlists[part.remote_mem_type], part.remote_ids, coalesce=self.coalesce,
                     notif=message, label=f"{req.request_id} WRITE@{peer.agent_name}")
                 self._transfers.post(tracked, x)
-
-    def poll(self) -> PollResult:
-        results = self._transfers.poll()
-        return PollResult(
-            finished=tuple(r for r in results if isinstance(r, TransferDone)),
-            failed=tuple(r for r in results if isinstance(r, TransferFailure)))
-
-    def wait(self, request_id: str, timeout_s: float | None = None) -> Result:
-        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
-        return self._transfers.wait(request_id, self._clock() + timeout)
-
-    def in_flight(self) -> tuple[str, ...]:
-        return self._transfers.active()
-
-    def close(self) -> None:
-        self._transfers.close()
-        self.peers.close()
-
-    def __enter__(self) -> PushEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
