@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+import uuid
+from collections.abc import Iterator
+
 import pytest
 from kvb_e2e import Api, OperatorProcess, wait_for
 
@@ -176,3 +180,41 @@ def test_topology_aware_pairing_prefers_same_zone(api: Api, ns: str) -> None:
     pairs = {p["decodeEngine"]: p["prefillEngine"]
              for p in api.transfer(ns)["status"]["pairs"]["items"]}  # fmt: skip
     assert pairs == {"da0": "pa", "da1": "pa", "db0": "pb"}
+
+
+ZONE = "topology.kubernetes.io/zone"
+
+
+@pytest.fixture
+def node_c(cluster) -> Iterator[str]:
+    """A third node, zone-b, served by its own fake kubelet; deleted afterwards."""
+    import kvbridge_cluster as kc
+
+    name = f"node-c-{uuid.uuid4().hex[:5]}"
+    with kc.FakeKubelet(cluster.api_client(), {name: {ZONE: "zone-b"}}):
+        yield name
+    cluster.kubectl("delete", "node", name, "--wait=false", check=False)
+
+
+def test_topology_aware_pairing_follows_node_label_changes(api: Api, ns: str,
+                                                           node_c: str) -> None:  # fmt: skip
+    def pairs() -> dict[str, str]:
+        items = api.transfer(ns)["status"]["pairs"]["items"]
+        return {p["decodeEngine"]: p["prefillEngine"] for p in items}
+
+    api.create_transfer(ns, pairing={"policy": "TopologyAware", "topologyKey": ZONE})
+    api.start_engine(ns, "pa", "prefill", node="node-a")  # zone-a
+    api.start_engine(ns, "pb", "prefill", node="node-b")  # zone-b
+    api.start_engine(ns, "dc", "decode", node=node_c)
+    wait_for(lambda: pairs() == {"dc": "pb"}, what="dc paired in zone-b")
+    time.sleep(1.0)  # status echoes settle: from here only the node event can wake a re-plan
+
+    # The node moves to zone-a: no pod changes, only the node's label.
+    api.core.patch_node(node_c, {"metadata": {"labels": {ZONE: "zone-a"}}})
+    wait_for(lambda: pairs() == {"dc": "pa"}, what="dc re-paired in zone-a")
+    assert [p["name"] for p in api.endpoint(ns, "dc-0")["status"]["peers"]] == ["pa-0"]
+    assert api.transfer(ns)["status"]["pairs"]["total"] == 1
+
+    api.core.patch_node(node_c, {"metadata": {"labels": {ZONE: "zone-b"}}})
+    wait_for(lambda: pairs() == {"dc": "pb"}, what="dc back in zone-b")
+    assert [p["name"] for p in api.endpoint(ns, "dc-0")["status"]["peers"]] == ["pb-0"]
