@@ -65,7 +65,7 @@ __all__ = [
     "endpoint_field",
     "plan",
 ]
-from .spec import Endpoint, Transfer
+from .spec import Endpoint, Handshake, Transfer
 
 # -- the plan ----------------------------------------------------------------------------------
 
@@ -115,7 +115,7 @@ def plan(
     compat = _Compatibility(transfer)
     usable_d, usable_p, incompatible_pairs = _classify(engines, compat, v)
     assignment = _pair(transfer, usable_d, usable_p, node_labels or {})
-    pairs = _peers_and_handshakes(usable_d, usable_p, assignment, v)
+    pairs = _peers_and_handshakes(usable_d, usable_p, assignment, v, push=transfer.mode == "push")
     return _finish(transfer, eps, v, engines, pairs, incompatible_pairs)
 
 
@@ -491,16 +491,28 @@ def _peers_and_handshakes(
     usable_p: dict[str, _Engine],
     assignment: dict[str, list[str]],
     v: _Verdicts,
+    *,
+    push: bool = False,
 ) -> list[Pair]:
-    """Rank-level peers (spec §1.9), handshake verification, endpoint verdicts, pairs."""
+    """Rank-level peers (spec §1.9), handshake verification, endpoint verdicts, pairs.
+
+    A pair is verified by the decode rank's report on the prefill rank; in push mode the
+    prefill rank writes into the decode rank's memory, so its report on the decode rank is
+    needed too.
+    """
     p_peers: dict[str, list[Peer]] = defaultdict(list)
     pairs: list[Pair] = []
+    reports = {
+        e.name: {(h.peer, h.epoch): h for h in e.handshakes}
+        for engine in (*(d for d, _ in usable_d.values()), *usable_p.values())
+        for e in engine.ranks
+    }
     for d_id, (d, _) in usable_d.items():
         states: dict[str, list[PairState]] = defaultdict(list)
         for e in d.ranks:
-            seen = {(h.peer, h.epoch): h for h in e.handshakes}
             peers: list[Peer] = []
             per_rank: list[PairState] = []
+            failures: list[tuple[str, Handshake]] = []
             for p_id in assignment[d_id]:
                 p = usable_p[p_id]
                 results = []
@@ -508,20 +520,19 @@ def _peers_and_handshakes(
                     pe = p.ranks[t]
                     peers.append(_peer(pe, p.tp_size))
                     p_peers[pe.name].append(_peer(e, d.tp_size))
-                    h = seen.get((pe.name, pe.epoch))
-                    results.append(
-                        PairState.PENDING
-                        if h is None
-                        else PairState.VERIFIED
-                        if h.succeeded
-                        else PairState.FAILED
-                    )
+                    sides = [(e.name, reports[e.name].get((pe.name, pe.epoch)))]
+                    if push:
+                        sides.append((pe.name, reports[pe.name].get((e.name, e.epoch))))
+                    for reporter, h in sides:
+                        results.append(_reported(h))
+                        if h is not None and not h.succeeded:
+                            failures.append((reporter, h))
                 state = _combine(results)
                 states[p_id].append(state)
                 per_rank.append(state)
             if peers:
                 state = _combine(per_rank)
-                reason, message = _handshake_text(state, e, peers)
+                reason, message = _handshake_text(state, peers, failures, push=push)
                 v.items[e.name] = EndpointPlan(
                     e.name, e.role, EndpointState.PAIRED, reason, message, tuple(peers), state
                 )
@@ -568,19 +579,26 @@ def _combine(states: list[PairState]) -> PairState:
     return PairState.PENDING
 
 
-def _handshake_text(state: PairState, e: Endpoint, peers: list[Peer]) -> tuple[str, str]:
+def _reported(h: Handshake | None) -> PairState:
+    if h is None:
+        return PairState.PENDING
+    return PairState.VERIFIED if h.succeeded else PairState.FAILED
+
+
+def _handshake_text(
+    state: PairState, peers: list[Peer], failures: list[tuple[str, Handshake]], *, push: bool
+) -> tuple[str, str]:
     names = ", ".join(p.name for p in peers)
     if state is PairState.VERIFIED:
         return "HandshakesSucceeded", f"handshakes with {names} succeeded"
     if state is PairState.FAILED:
-        failed = [
-            h
-            for h in e.handshakes
-            if not h.succeeded and any(h.peer == p.name and h.epoch == p.epoch for p in peers)
-        ]
-        h = failed[0]
-        return "HandshakeFailed", f"handshake with {h.peer} (epoch {h.epoch}) failed: {h.message}"
-    return "HandshakePending", f"waiting for status.handshakes to report {names} at their epochs"
+        reporter, h = failures[0]
+        return (
+            "HandshakeFailed",
+            f"handshake of {reporter} with {h.peer} (epoch {h.epoch}) failed: {h.message}",
+        )
+    where = "status.handshakes of both sides" if push else "status.handshakes"
+    return "HandshakePending", f"waiting for {where} to report {names} at their epochs"
 
 
 def _counts(role: str, eps: list[Endpoint], v: _Verdicts, engines: int) -> RoleCounts:

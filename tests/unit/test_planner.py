@@ -51,6 +51,20 @@ def handshakes_done(p: Plan, eps: list[Endpoint], ok: bool = True) -> list[Endpo
     return out
 
 
+def prefill_reports(p: Plan, eps: list[Endpoint], ok: bool = True) -> list[Endpoint]:
+    """The prefill agents report a handshake with every assigned decode peer (push mode)."""
+    out = []
+    for e in eps:
+        v = p.endpoint(e.name)
+        if e.role == "prefill" and v.peers:
+            hs = tuple(T.handshake(x.name, x.epoch, ok, "refused by decode") for x in v.peers)
+            e = dataclasses.replace(e, handshakes=tuple(
+                parse_endpoint({**T.endpoint_manifest(e.name, role="prefill", engine_id="x"),
+                                "status": {"handshakes": list(hs)}}).handshakes))
+        out.append(e)
+    return out
+
+
 def cond(p: Plan, ctype: str) -> tuple[str, str]:
     c = next(c for c in p.conditions if c.type == ctype)
     return c.status, c.reason
@@ -216,6 +230,42 @@ class TestHandshakes:
         assert cond(p, "HandshakesVerified") == ("False", "HandshakeFailed")
         assert cond(p, "Degraded") == ("True", "HandshakeFailed")
         assert "boom" in p.endpoint("d0-0").message
+
+
+class TestPushHandshakes:
+    """In push mode the prefill rank writes into the decode rank's memory: a pair is verified
+    only when both sides report their handshake."""
+
+    def setup_method(self) -> None:
+        self.kvt = transfer(mode="push")
+        self.eps = engines("p", "prefill", 1, mode="push") + engines("d", "decode", 1,
+                                                                      mode="push")
+
+    def test_decode_report_alone_is_not_enough(self) -> None:
+        eps = handshakes_done(plan(self.kvt, self.eps), self.eps)
+        p = plan(self.kvt, eps)
+        assert cond(p, "HandshakesVerified") == ("False", "HandshakesPending")
+        assert "both sides" in p.endpoint("d0-0").message
+
+    def test_both_reports_verify(self) -> None:
+        first = plan(self.kvt, self.eps)
+        eps = prefill_reports(first, handshakes_done(first, self.eps))
+        p = plan(self.kvt, eps)
+        assert cond(p, "Ready") == ("True", "AllPairsVerified")
+
+    def test_prefill_side_failure_degrades_and_names_the_reporter(self) -> None:
+        first = plan(self.kvt, self.eps)
+        eps = prefill_reports(first, handshakes_done(first, self.eps), ok=False)
+        p = plan(self.kvt, eps)
+        assert cond(p, "Degraded") == ("True", "HandshakeFailed")
+        assert "handshake of p0-0 with d0-0" in p.endpoint("d0-0").message
+        assert "refused by decode" in p.endpoint("d0-0").message
+
+    def test_pull_mode_ignores_prefill_reports(self) -> None:
+        eps = engines("p", "prefill", 1) + engines("d", "decode", 1)
+        first = plan(transfer(), eps)
+        p = plan(transfer(), prefill_reports(first, handshakes_done(first, eps), ok=False))
+        assert cond(p, "Ready") == ("True", "AllPairsVerified")
 
 
 class TestDeterminism:
