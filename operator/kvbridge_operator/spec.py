@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from kvbridge_agent.protocol import EngineGeometry
+from kvbridge_agent.protocol import EngineGeometry, RegionGeometry
 
 from .config import DECODE, PREFILL, ROLES
 from .errors import SpecError
@@ -51,14 +51,8 @@ def _enum(
 # -- KVEndpoint --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Region:
-    name: str
-    num_blocks: int
-    group_id: int
-    mem_type: str
-    block_len: int
-    block_stride: int
+#: One region of ``spec.geometry.regions``: the agent's record, so both sides read one type.
+Region = RegionGeometry
 
 
 @dataclass(frozen=True)
@@ -132,20 +126,15 @@ class Endpoint:
         so equal geometries compare and hash equal across engines.
         """
         g = self.geometry
-        return EngineGeometry(
+        return EngineGeometry.from_regions(
+            g.regions,
             engine_id="",
             tp_size=self.tp_size,
             block_size=g.block_size,
             num_blocks=g.num_blocks,
-            block_lens=tuple(r.block_len for r in g.regions),
-            block_strides=tuple(r.block_stride for r in g.regions),
             kv_cache_layout=g.kv_cache_layout,
             attn_backend_name=g.attention_backend,
             physical_blocks_per_logical_kv_block=g.physical_blocks_per_logical,
-            region_num_blocks=tuple(r.num_blocks for r in g.regions),
-            region_group_ids=tuple(r.group_id for r in g.regions),
-            region_names=tuple(r.name for r in g.regions),
-            region_mem_types=tuple(r.mem_type for r in g.regions),
             dcp_size=g.dcp_size,
             pcp_size=g.pcp_size,
             is_mla=g.is_mla,
