@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Self
 
+from .. import geometry as geo
+from ._errors import FailureCause, RemoteNotFoundError, UnsupportedTransferError
 from ._inflight import Result, TransferDone, TransferFailure, Transfers
 from ._local import LocalEngine
 from ._peers import RemotePeers
@@ -51,6 +53,29 @@ class TransferEngine:
         self._clock = clock
         self.peers = RemotePeers(self.agent)
         self._transfers = Transfers(self.agent, clock=clock, on_terminal=on_terminal)
+
+    def _track(
+        self, request_id: str, timeout_s: float | None, post: Callable[[object], None], what: str
+    ) -> None:
+        """Track ``request_id`` and run ``post(tracked)``; a setup error becomes the request's
+        typed failure (reported by :meth:`poll`/:meth:`wait`), never an exception here.
+
+        Raises:
+            ValueError: ``request_id`` is already in flight.
+        """
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        tracked = self._transfers.begin(request_id, self._clock() + timeout)
+        try:
+            post(tracked)
+        except geo.GeometryError as exc:
+            self._transfers.fail(tracked, FailureCause.INVALID_REQUEST, str(exc), exc)
+        except RemoteNotFoundError as exc:
+            self._transfers.fail(tracked, FailureCause.UNKNOWN_REMOTE, str(exc), exc)
+        except UnsupportedTransferError as exc:
+            self._transfers.fail(tracked, FailureCause.UNSUPPORTED, str(exc), exc)
+        except Exception as exc:
+            self._transfers.fail_exc(tracked, exc, FailureCause.SETUP, f"setting up the {what}")
+        self._transfers.seal(tracked)
 
     def poll(self) -> PollResult:
         """Non-blocking: advance every request; report those finished/failed since the last

@@ -42,8 +42,6 @@ import numpy as np
 from .. import geometry as geo
 from ._engine import PollResult, TransferEngine
 from ._errors import (
-    FailureCause,
-    RemoteNotFoundError,
     UnsupportedTransferError,
 )
 from ._heartbeat import HeartbeatSender
@@ -150,22 +148,10 @@ class PullEngine(TransferEngine):
         Raises:
             ValueError: ``req.request_id`` is already in flight.
         """
-        timeout = self.timeout_s if req.timeout_s is None else float(req.timeout_s)
-        tracked = self._transfers.begin(req.request_id, self._clock() + timeout)
-        self._notif_ids[req.request_id] = req.notif_id
-        try:
-            self._start(req, tracked)
-        except geo.GeometryError as exc:
-            self._transfers.fail(tracked, FailureCause.INVALID_REQUEST, str(exc), exc)
-        except RemoteNotFoundError as exc:
-            self._transfers.fail(tracked, FailureCause.UNKNOWN_REMOTE, str(exc), exc)
-        except UnsupportedTransferError as exc:
-            self._transfers.fail(tracked, FailureCause.UNSUPPORTED, str(exc), exc)
-        except Exception as exc:
-            self._transfers.fail_exc(tracked, exc, FailureCause.SETUP, "setting up the read")
-        self._transfers.seal(tracked)
+        self._track(req.request_id, req.timeout_s, lambda t: self._start(req, t), "read")
 
     def _start(self, req: PullRequest, tracked: object) -> None:
+        self._notif_ids[req.request_id] = req.notif_id
         local = self.local
         any_peer = self.peers.any_rank(req.remote_engine_id)
         mapping = geo.compute_tp_mapping(

@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import geometry as geo
 from ._engine import TransferEngine
-from ._errors import FailureCause, RemoteNotFoundError, UnsupportedTransferError
+from ._errors import UnsupportedTransferError
 from ._local import LocalEngine
 from ._notifications import completion_message
 from ._parts import make_part
@@ -91,19 +91,7 @@ class PushEngine(TransferEngine):
 
     def start(self, req: PushRequest) -> None:
         """Post the WRITEs of ``req``; failures are reported by poll()/wait()."""
-        timeout = self.timeout_s if req.timeout_s is None else float(req.timeout_s)
-        tracked = self._transfers.begin(req.request_id, self._clock() + timeout)
-        try:
-            self._start(req, tracked)
-        except geo.GeometryError as exc:
-            self._transfers.fail(tracked, FailureCause.INVALID_REQUEST, str(exc), exc)
-        except RemoteNotFoundError as exc:
-            self._transfers.fail(tracked, FailureCause.UNKNOWN_REMOTE, str(exc), exc)
-        except UnsupportedTransferError as exc:
-            self._transfers.fail(tracked, FailureCause.UNSUPPORTED, str(exc), exc)
-        except Exception as exc:
-            self._transfers.fail_exc(tracked, exc, FailureCause.SETUP, "setting up the write")
-        self._transfers.seal(tracked)
+        self._track(req.request_id, req.timeout_s, lambda t: self._start(req, t), "write")
 
     def _targets(self, engine_id: str) -> tuple[list, int]:
         facts = self.local.facts
