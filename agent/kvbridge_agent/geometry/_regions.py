@@ -19,7 +19,7 @@ from ._errors import (
     RegionAliasError,
     UnsupportedGeometryError,
 )
-from ._views import MEM_TYPES, CacheView
+from ._views import MEM_TYPES, CacheView, block_extent
 
 __all__ = [
     "SHARED_GROUP_ID",
@@ -68,9 +68,7 @@ class Region:
     @property
     def extent(self) -> int:
         """Bytes from ``addr`` to the end of the last block (0 for an empty region)."""
-        if self.num_blocks == 0:
-            return 0
-        return (self.num_blocks - 1) * self.block_stride + self.block_len
+        return block_extent(self.num_blocks, self.block_stride, self.block_len)
 
     @property
     def shared(self) -> bool:

@@ -8,10 +8,15 @@ from typing import Any
 
 from ._errors import CacheViewError
 
-__all__ = ["MEM_TYPES", "CacheView"]
+__all__ = ["MEM_TYPES", "CacheView", "block_extent"]
 
 #: NIXL memory types a view can live in. Sorted: registration and dlists go DRAM first.
 MEM_TYPES: tuple[str, ...] = ("DRAM", "VRAM")
+
+
+def block_extent(num_blocks: int, block_stride: int, block_len: int) -> int:
+    """Bytes from block 0's start to the end of the last block (0 without blocks)."""
+    return (num_blocks - 1) * block_stride + block_len if num_blocks else 0
 
 
 def _check_int(name: str, field: str, value: Any, minimum: int) -> None:
@@ -87,9 +92,7 @@ class CacheView:
     @property
     def extent(self) -> int:
         """Bytes from ``addr`` to the end of the last block (0 for an empty view)."""
-        if self.num_blocks == 0:
-            return 0
-        return (self.num_blocks - 1) * self.block_stride + self.block_len
+        return block_extent(self.num_blocks, self.block_stride, self.block_len)
 
     @property
     def registration(self) -> tuple[int, int]:
