@@ -88,6 +88,7 @@ class DescIdLayout:
 
     __slots__ = (
         "_min_cap",
+        "_slot_plan",
         "_tables",
         "_targets",
         "block_size_ratio",
@@ -121,6 +122,7 @@ class DescIdLayout:
 
         _set(self, "_tables", None)  # group tables, built on the first group-mapped call
         _set(self, "_targets", {})  # group -> target regions, filled on first use
+        _set(self, "_slot_plan", {})  # slot -> (n_targets, min capacity, target offsets)
 
     def _group_tables(self) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
         """(G, n_targets, smallest target capacity, single target or -1) per group slot.
@@ -210,7 +212,52 @@ class DescIdLayout:
             return np.add.outer(self.offsets, flat).ravel()
         return self._group_mapped(entries)
 
+    def _slot(self, group: int) -> tuple[int, int, np.ndarray]:
+        """(number of target regions, their smallest capacity, their offsets) of a group."""
+        n_groups = self._group_tables()[0]
+        slot = min(group, n_groups)
+        entry = self._slot_plan.get(slot)
+        if entry is None:
+            _, n_targets, group_min, _ = self._group_tables()
+            targets = self.targets(group)
+            entry = (int(n_targets[slot]), int(group_min[slot]), _readonly(self.offsets[targets]))
+            self._slot_plan[slot] = entry
+        return entry
+
+    def _few_groups(self, entries: list[np.ndarray]) -> np.ndarray:
+        """The group-mapped path for a handful of groups: cached per-group plans, one bound
+        check per group, one output allocation (same checks and order as the general path)."""
+        live = [g for g, e in enumerate(entries) if e.size]
+        if not live:
+            return empty_ids()
+        slots = [self._slot(g) for g in live]
+        for g, (n_targets, _, _) in zip(live, slots, strict=True):
+            if n_targets == 0:
+                raise GroupLayoutError(
+                    f"group {g} has {entries[g].size} block id(s) but no region belongs "
+                    f"to it (region group ids: {self.group_ids.tolist()})"
+                )
+        total = 0
+        for g, (_, min_cap, offs) in zip(live, slots, strict=True):
+            ids = entries[g]
+            # as uint64 a negative id is huge: one pass checks both bounds
+            if int(_max(ids.view(_U64))) >= min_cap:
+                raise self._range_error(ids, self.targets(g), g)
+            total += offs.size * ids.size
+        if len(live) == 1:
+            return np.add.outer(slots[0][2], entries[live[0]]).ravel()
+        out = np.empty(total, dtype=np.int64)
+        pos = 0
+        for g, (_, _, offs) in zip(live, slots, strict=True):
+            ids = entries[g]
+            n = offs.size * ids.size
+            np.add(offs[:, None], ids[None, :], out=out[pos : pos + n].reshape(offs.size, -1))
+            pos += n
+        return out
+
     def _group_mapped(self, entries: list[np.ndarray]) -> np.ndarray:
+        if len(entries) <= _VECTOR_GROUPS:
+            return self._few_groups(entries)
         lens = np.fromiter((e.size for e in entries), np.int64, len(entries))
         live = np.flatnonzero(lens)
         if live.size == 0:
