@@ -1,45 +1,4 @@
-"""The agent orchestrator: register KV caches, serve the v11 side channel, preflight the
-peers the operator assigns, and run transfers against them (DESIGN flows 1, 4, 5, 6).
-
-:class:`AgentService` wires the halves of the agent together:
-
-- **register** (flow 1): a :class:`~.nixl.NixlAgent` named ``<engine>-tp<rank>-e<epoch>``
-  (a new name per start, so peers never confuse a restarted agent with its predecessor), a
-  :class:`~.nixl.LocalEngine` over the caller's ``CacheView`` objects, the v11
-  ``NixlAgentMetadata`` built from what was actually registered, and a
-  :class:`~.sidechannel.SideChannelServer` serving it;
-- **publish** (flow 2) is the caller's (see :mod:`.kube`): :meth:`endpoint_spec` is the
-  KVEndpoint spec for exactly this registration;
-- **preflight** (flow 4): :meth:`set_peers` takes the operator's assigned peers (from the
-  KVEndpoint status), drops peers that went away or changed epoch (removing their NIXL
-  remote agent), handshakes with every new one (side channel, hash, engine id, then
-  ``protocol.validate_remote``) and loads it into NIXL. Results are :class:`PeerReport`
-  items, which :mod:`.kube` writes to ``status.handshakes``;
-- **transfer** (flow 5), by role and mode (spec §4, §5):
-
-  ============  ===========================================  ===================================
-  mode          prefill                                      decode
-  ============  ===========================================  ===================================
-  ``pull``      :meth:`hold` / :meth:`completions`: counts   :meth:`pull`: READs from a
-                D's completion notifications                 preflighted peer, then notifies it
-                (:class:`~.nixl.CompletionTracker`)          (:class:`~.nixl.PullEngine`)
-  ``push``      :meth:`push`: WRITEs into a preflighted D    :meth:`expect` / :meth:`wait_received`
-                peer, the notification travels with the      / :meth:`completions`: counts P's
-                WRITE (:class:`~.nixl.PushEngine`)           notifications (``CompletionTracker``)
-  ============  ===========================================  ===================================
-
-  No transfer handshakes on the request path. Whoever moves the bytes loads the other side's
-  memory description at preflight: D loads P in pull mode, P loads D in push mode (P writes
-  into D's memory); the other side loads only the peer's NIXL agent, which is what accepting
-  its notifications (pull) or WRITEs (push) needs. Push refuses what vLLM's
-  ``NixlPushConnector`` refuses (spec §5): mixed-memory caches, at :meth:`start` on either
-  side and at preflight for a peer; different cache-group layouts, at preflight.
-
-Threads: NIXL is not assumed thread-safe, so every NIXL call happens under one lock. A
-progress thread polls the pull or push engine (heartbeats, asynchronous completions) or the
-notifications of the side that waits for them every ``progress_interval_s``. Side-channel
-fetches run without the lock. Every wait has a deadline.
-"""
+"""The agent orchestrator (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -51,9 +10,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import metrics
-from .geometry import CacheView, RegionPlan, plan_regions
-from .protocol import (
+from .. import metrics
+from ..geometry import CacheView, RegionPlan, plan_regions
+from ..protocol import (
     NIXL_CONNECTOR_VERSION,
     CompatibilityFactors,
     EngineGeometry,
@@ -63,156 +22,22 @@ from .protocol import (
     make_payload,
     validate_remote,
 )
+from ._types import (
+    DECODE,
+    PREFILL,
+    AgentSettings,
+    EngineInfo,
+    PeerRef,
+    PeerReport,
+    StalePeerError,
+    TransferResult,
+    utc_timestamp,
+)
 
-__all__ = [
-    "AgentService",
-    "AgentSettings",
-    "EngineInfo",
-    "PeerRef",
-    "PeerReport",
-    "StalePeerError",
-    "TransferResult",
-]
+__all__ = ["AgentService"]
 
 log = logging.getLogger("kvbridge.agent")
 
-PREFILL, DECODE = "prefill", "decode"
-
-
-class StalePeerError(RuntimeError):
-    """A handshake reached an agent of another epoch than the one assigned."""
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """Engine facts the region plan does not carry (what vLLM knows at registration).
-
-    ``num_blocks`` is the main pool's kernel block count (default: the largest region
-    capacity); ``is_mla`` says regions are replicated latent caches (read whole).
-    """
-
-    engine_id: str
-    role: str
-    tp_rank: int = 0
-    tp_size: int = 1
-    dp_index: int = 0
-    block_size: int = 16
-    ppl: int = 1
-    num_blocks: int | None = None
-    kv_cache_layout: str = "HND"
-    attn_backend_name: str = "FLASH_ATTN"
-    is_mla: bool = False
-    num_kv_heads: int | None = None
-    mode: str = "pull"
-    dcp_size: int = 1
-    pcp_size: int = 1
-    device_id: int = 0
-
-    def __post_init__(self) -> None:
-        if self.role not in (PREFILL, DECODE):
-            raise ValueError(f"EngineInfo.role: expected 'prefill' or 'decode', got {self.role!r}")
-        if self.mode not in ("pull", "push"):
-            raise ValueError(f"EngineInfo.mode: expected 'pull' or 'push', got {self.mode!r}")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(
-                f"EngineInfo.tp_rank: expected 0 <= tp_rank < tp_size ({self.tp_size}), "
-                f"got {self.tp_rank}")
-
-
-@dataclass(frozen=True)
-class AgentSettings:
-    """Runtime settings.
-
-    Attributes:
-        side_channel_host: address the side channel binds (``"0.0.0.0"`` in a pod).
-        side_channel_port: base port (``dp_index`` is added); 0 picks a free port.
-        advertise_host: host published in the KVEndpoint (the pod IP); default: bind host.
-        handshake_timeout_s: deadline of one side-channel handshake.
-        transfer_timeout_s: default deadline of one transfer request.
-        progress_interval_s: period of the progress thread.
-        mem_types: a ``nixl.MemTypeMap`` (default: production DRAM/VRAM).
-        epoch: this start's epoch (default: milliseconds since the Unix epoch).
-        enforce_hash: refuse peers with another compatibility hash (vLLM default).
-    """
-
-    side_channel_host: str = "127.0.0.1"
-    side_channel_port: int = 0
-    advertise_host: str | None = None
-    handshake_timeout_s: float = 5.0
-    transfer_timeout_s: float = 30.0
-    progress_interval_s: float = 0.01
-    mem_types: Any = None
-    epoch: int | None = None
-    enforce_hash: bool = True
-
-
-@dataclass(frozen=True)
-class PeerRef:
-    """One assigned peer, as the operator writes it into ``status.peers``."""
-
-    name: str
-    engine_id: str
-    host: str
-    port: int
-    tp_rank: int
-    tp_size: int
-    epoch: int
-    role: str = ""
-
-    @classmethod
-    def from_status(cls, item: Mapping[str, Any]) -> PeerRef:
-        return cls(
-            name=str(item["name"]), engine_id=str(item["engineId"]),
-            host=str(item.get("host") or ""), port=int(item.get("port") or 0),
-            tp_rank=int(item.get("tpRank", 0)), tp_size=int(item.get("tpSize") or 1),
-            epoch=int(item.get("epoch", 0)), role=str(item.get("role") or ""))
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.engine_id, self.tp_rank)
-
-
-@dataclass(frozen=True)
-class PeerReport:
-    """Result of one handshake; :meth:`to_status` is a ``status.handshakes`` item."""
-
-    peer: str
-    engine_id: str
-    epoch: int
-    ok: bool
-    message: str = ""
-    reason: str = ""
-    time: str = ""
-    agent_name: str = ""
-
-    def to_status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "peer": self.peer, "engineId": self.engine_id, "epoch": self.epoch,
-            "state": "Succeeded" if self.ok else "Failed",
-            "time": self.time or _now(),
-        }
-        if self.message:
-            out["message"] = self.message[:4000]
-        return out
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    """Outcome of :meth:`AgentService.pull`, :meth:`~AgentService.push` or
-    :meth:`~AgentService.wait_received`: ``ok`` or a typed ``cause`` with a message."""
-
-    request_id: str
-    ok: bool
-    nbytes: int = 0
-    descs: int = 0
-    parts: int = 0
-    seconds: float = 0.0
-    cause: str = ""
-    message: str = ""
-
-    @property
-    def throughput_gbps(self) -> float:
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 @dataclass
@@ -220,10 +45,6 @@ class _Peer:
     ref: PeerRef
     agent_name: str
     loaded_at: float = field(default_factory=time.monotonic)
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 class AgentService:
@@ -279,7 +100,7 @@ class AgentService:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> AgentService:
-        from .nixl import (
+        from ..nixl import (
             PRODUCTION_MEM_TYPES,
             AgentConfig,
             CompletionTracker,
@@ -290,8 +111,8 @@ class AgentService:
             PushEngine,
             UnsupportedTransferError,
         )
-        from .nixl._push import MIXED_MEMORY_MESSAGE
-        from .sidechannel import SideChannelClient, SideChannelServer
+        from ..nixl._push import MIXED_MEMORY_MESSAGE
+        from ..sidechannel import SideChannelClient, SideChannelServer
 
         e, s = self.engine, self.settings
         if e.mode == "push" and self.plan.mixed_mem_types:
@@ -484,8 +305,8 @@ class AgentService:
     def handshake(self, ref: PeerRef) -> PeerReport:
         """Fetch ``ref``'s v11 metadata, validate it and load it into NIXL. Never raises for
         a peer problem: the report says what went wrong (and metrics count it)."""
-        from .nixl import RemoteEngine, UnsupportedTransferError
-        from .sidechannel import HandshakeTimeoutError, RemoteRejectedError, SideChannelError
+        from ..nixl import RemoteEngine, UnsupportedTransferError
+        from ..sidechannel import HandshakeTimeoutError, RemoteRejectedError, SideChannelError
 
         started = time.perf_counter()
         result, message, agent_name = "error", "", ""
@@ -539,7 +360,7 @@ class AgentService:
             "agent %s: handshake with %s (%s rank %d epoch %d at %s:%d): %s%s",
             self.agent_name, ref.name, ref.engine_id, ref.tp_rank, ref.epoch, ref.host,
             ref.port, result, f": {message}" if message else "")
-        return PeerReport(ref.name, ref.engine_id, ref.epoch, ok, message, result, _now(),
+        return PeerReport(ref.name, ref.engine_id, ref.epoch, ok, message, result, utc_timestamp(),
                           agent_name)
 
     def _unload(self, ref: PeerRef, agent_name: str) -> None:
@@ -579,7 +400,7 @@ class AgentService:
         ``expected_epoch`` a peer loaded at another epoch fails with cause ``stale_peer``
         (nothing is posted). Failures never send the completion notification.
         """
-        from .nixl import PullRequest
+        from ..nixl import PullRequest
 
         if self.pull_engine is None:
             raise RuntimeError(f"agent {self.agent_name}: pull needs a decode agent in pull mode")
@@ -609,7 +430,7 @@ class AgentService:
         handshakes; ``unknown_remote`` / ``stale_peer`` as in :meth:`pull`. A failed WRITE
         never delivers the notification.
         """
-        from .nixl import PushRequest
+        from ..nixl import PushRequest
 
         if self.push_engine is None:
             raise RuntimeError(
@@ -622,7 +443,7 @@ class AgentService:
 
     def _transfer(self, engine: Any, req: Any, expected_epoch: int | None,
                   timeout: float) -> TransferResult:
-        from .nixl import TransferFailure
+        from ..nixl import TransferFailure
 
         request_id, remote_engine_id = req.request_id, req.remote_engine_id
         with self._lock:
@@ -684,7 +505,7 @@ class AgentService:
         (``geometry.GeometryError``). The request completes when the prefill's WRITE
         notifications arrive (:meth:`wait_received`, :meth:`completions`); without them it
         expires after ``lease_s`` (default 30 s)."""
-        from .geometry import compute_desc_ids, expand_logical_to_kernel
+        from ..geometry import compute_desc_ids, expand_logical_to_kernel
 
         if self.engine.role != DECODE or self.engine.mode != "push":
             raise RuntimeError(f"agent {self.agent_name}: expect needs a decode agent in "

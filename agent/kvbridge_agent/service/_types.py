@@ -1,0 +1,163 @@
+"""The agent service's value types: engine facts, settings, assigned peers, handshake
+reports and transfer results (what callers and the KVEndpoint status exchange)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "DECODE",
+    "PREFILL",
+    "AgentSettings",
+    "EngineInfo",
+    "PeerRef",
+    "PeerReport",
+    "StalePeerError",
+    "TransferResult",
+]
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+def utc_timestamp() -> str:
+    """Now, as the RFC 3339 UTC string Kubernetes status fields use."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class StalePeerError(RuntimeError):
+    """A handshake reached an agent of another epoch than the one assigned."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Engine facts the region plan does not carry (what vLLM knows at registration).
+
+    ``num_blocks`` is the main pool's kernel block count (default: the largest region
+    capacity); ``is_mla`` says regions are replicated latent caches (read whole).
+    """
+
+    engine_id: str
+    role: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    dp_index: int = 0
+    block_size: int = 16
+    ppl: int = 1
+    num_blocks: int | None = None
+    kv_cache_layout: str = "HND"
+    attn_backend_name: str = "FLASH_ATTN"
+    is_mla: bool = False
+    num_kv_heads: int | None = None
+    mode: str = "pull"
+    dcp_size: int = 1
+    pcp_size: int = 1
+    device_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in (PREFILL, DECODE):
+            raise ValueError(f"EngineInfo.role: expected 'prefill' or 'decode', got {self.role!r}")
+        if self.mode not in ("pull", "push"):
+            raise ValueError(f"EngineInfo.mode: expected 'pull' or 'push', got {self.mode!r}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(
+                f"EngineInfo.tp_rank: expected 0 <= tp_rank < tp_size ({self.tp_size}), "
+                f"got {self.tp_rank}")
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Runtime settings.
+
+    Attributes:
+        side_channel_host: address the side channel binds (``"0.0.0.0"`` in a pod).
+        side_channel_port: base port (``dp_index`` is added); 0 picks a free port.
+        advertise_host: host published in the KVEndpoint (the pod IP); default: bind host.
+        handshake_timeout_s: deadline of one side-channel handshake.
+        transfer_timeout_s: default deadline of one transfer request.
+        progress_interval_s: period of the progress thread.
+        mem_types: a ``nixl.MemTypeMap`` (default: production DRAM/VRAM).
+        epoch: this start's epoch (default: milliseconds since the Unix epoch).
+        enforce_hash: refuse peers with another compatibility hash (vLLM default).
+    """
+
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    advertise_host: str | None = None
+    handshake_timeout_s: float = 5.0
+    transfer_timeout_s: float = 30.0
+    progress_interval_s: float = 0.01
+    mem_types: Any = None
+    epoch: int | None = None
+    enforce_hash: bool = True
+
+
+@dataclass(frozen=True)
+class PeerRef:
+    """One assigned peer, as the operator writes it into ``status.peers``."""
+
+    name: str
+    engine_id: str
+    host: str
+    port: int
+    tp_rank: int
+    tp_size: int
+    epoch: int
+    role: str = ""
+
+    @classmethod
+    def from_status(cls, item: Mapping[str, Any]) -> PeerRef:
+        return cls(
+            name=str(item["name"]), engine_id=str(item["engineId"]),
+            host=str(item.get("host") or ""), port=int(item.get("port") or 0),
+            tp_rank=int(item.get("tpRank", 0)), tp_size=int(item.get("tpSize") or 1),
+            epoch=int(item.get("epoch", 0)), role=str(item.get("role") or ""))
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.engine_id, self.tp_rank)
+
+
+@dataclass(frozen=True)
+class PeerReport:
+    """Result of one handshake; :meth:`to_status` is a ``status.handshakes`` item."""
+
+    peer: str
+    engine_id: str
+    epoch: int
+    ok: bool
+    message: str = ""
+    reason: str = ""
+    time: str = ""
+    agent_name: str = ""
+
+    def to_status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "peer": self.peer, "engineId": self.engine_id, "epoch": self.epoch,
+            "state": "Succeeded" if self.ok else "Failed",
+            "time": self.time or utc_timestamp(),
+        }
+        if self.message:
+            out["message"] = self.message[:4000]
+        return out
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """Outcome of :meth:`AgentService.pull`, :meth:`~AgentService.push` or
+    :meth:`~AgentService.wait_received`: ``ok`` or a typed ``cause`` with a message."""
+
+    request_id: str
+    ok: bool
+    nbytes: int = 0
+    descs: int = 0
+    parts: int = 0
+    seconds: float = 0.0
+    cause: str = ""
+    message: str = ""
+
+    @property
+    def throughput_gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
