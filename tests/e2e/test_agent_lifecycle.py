@@ -4,13 +4,10 @@ preflight the peers the operator assigns, transfer, survive restarts and pod del
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 
 import pytest
-from kvb_e2e import REPO, Api, wait_for
-
-sys.path.insert(0, str(REPO / "demo"))
+from kvb_e2e import Api, wait_for
 from sim import SimPod, create_agent_rbac, handshakes_ok
 
 from kvbridge_operator.config import ENDPOINTS

@@ -12,14 +12,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 
 import pytest
-from kvb_e2e import REPO, Api, wait_for
-
-sys.path.insert(0, str(REPO / "demo"))
+from kvb_e2e import Api, wait_for
 from sim import SimPod, create_agent_rbac, handshakes_ok
 
 pytestmark = [pytest.mark.k8s, pytest.mark.nixl, pytest.mark.slow]
