@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from kvb_e2e import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kvbridge"
@@ -232,24 +232,10 @@ class Kube:
                 )
                 == 1
             ),
-            f"default token in {name}",
+            what=f"default token in {name}",
             timeout=30,
         )
 
     def token_kubeconfig(self, namespace: str, service_account: str) -> Path:
         token = self.cluster.service_account_token(namespace, service_account)
         return self.cluster.kubeconfig_for_token(token, f"{namespace}-{service_account}")
-
-
-def wait_for(
-    pred: Callable[[], Any], what: str, timeout: float = 30.0, interval: float = 0.2
-) -> Any:
-    """Poll ``pred`` until it returns something truthy; fail naming ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")

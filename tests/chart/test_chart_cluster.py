@@ -23,9 +23,6 @@ import yaml
 from chartlib import CHART, REPO, HelmError, Kube, values_file, wait_for
 from kubernetes.client.exceptions import ApiException
 
-# The e2e helpers run the operator as a separate process and act as the agents.
-sys.path.insert(0, str(REPO / "tests" / "e2e"))
-
 pytestmark = pytest.mark.k8s
 
 NS = "kvbridge-system"
@@ -102,7 +99,7 @@ def test_install_upgrade_uninstall(kube: Kube) -> None:
         # The controller-manager acts on the Deployment (no kubelet, so pods stay Pending).
         wait_for(
             lambda: kube.kubectl("get", "replicasets", "-n", NS, "-o", "name").stdout,
-            "a ReplicaSet for the operator Deployment",
+            what="a ReplicaSet for the operator Deployment",
         )
 
         kube.helm("upgrade", RELEASE, str(CHART), "-n", NS, "--set", "operator.logLevel=debug")
@@ -113,7 +110,7 @@ def test_install_upgrade_uninstall(kube: Kube) -> None:
             lambda: (
                 len(kube.kubectl("get", "replicasets", "-n", NS, "-o", "name").stdout.split()) == 2
             ),
-            "a second ReplicaSet after the upgrade",
+            what="a second ReplicaSet after the upgrade",
         )
         # The generated webhook certificate survives upgrades (lookup), and so does the bundle.
         assert kube.get("secret", "kvbridge-webhook-tls", "-n", NS)["data"] == secret["data"]
@@ -143,7 +140,7 @@ def test_install_upgrade_uninstall(kube: Kube) -> None:
     # ReplicaSets, pods and token Secrets go with their owners, asynchronously.
     wait_for(
         lambda: not _left_behind(before, kube.snapshot()),
-        "nothing but the CRDs left after helm uninstall",
+        what="nothing but the CRDs left after helm uninstall",
         timeout=60,
         interval=1,
     )
@@ -172,7 +169,7 @@ def test_namespaced_install(kube: Kube) -> None:
         _uninstall(kube, RELEASE, NS)
     wait_for(
         lambda: not _left_behind(before, kube.snapshot()),
-        "nothing but the CRDs left after helm uninstall",
+        what="nothing but the CRDs left after helm uninstall",
         timeout=60,
         interval=1,
     )
@@ -359,7 +356,7 @@ def _deployment_operator(kube: Kube, work: Path, ports: dict[str, int]) -> Any:
                 except OSError:
                     return False
 
-            wait_for(alive, "operator liveness", timeout=timeout)
+            wait_for(alive, what="operator liveness", timeout=timeout)
 
     return DeploymentOperator(
         kube.token_kubeconfig(NS, "kvbridge"), work, _local_env(kube, work, ports), ports
@@ -384,7 +381,6 @@ def test_operator_reconciles_with_the_chart_service_account(
     Ready; the webhook serves the chart's certificate at the chart's paths."""
     import kvbridge_cluster
     from kvb_e2e import Api
-    from kvb_e2e import wait_for as e2e_wait
 
     from kvbridge_operator import testing as manifests
     from kvbridge_operator.config import ENDPOINTS, TRANSFERS
@@ -429,7 +425,7 @@ def test_operator_reconciles_with_the_chart_service_account(
                             },
                         },
                     )
-                    pod = e2e_wait(
+                    pod = wait_for(
                         lambda n=name: admin._running(SERVING, n), what=f"pod {name} running"
                     )
                     # The agent publishes its own endpoint, owned by its pod.
@@ -461,7 +457,7 @@ def test_operator_reconciles_with_the_chart_service_account(
 
             # Decode agents read their own endpoint (get only) and report their handshakes.
             for name in ("d0-0", "d1-0"):
-                peers = e2e_wait(
+                peers = wait_for(
                     lambda n=name: (agent.endpoint(SERVING, n).get("status") or {}).get("peers"),
                     what=f"{name} peers",
                 )
@@ -502,7 +498,7 @@ def test_operator_reconciles_with_the_chart_service_account(
 
             # Deletion runs the finalizer handler under the same token.
             admin.delete(TRANSFERS, SERVING, "kvt")
-            e2e_wait(lambda: not admin.list(TRANSFERS, SERVING), what="KVTransfer deleted")
+            wait_for(lambda: not admin.list(TRANSFERS, SERVING), what="KVTransfer deleted")
             assert (
                 "kvbridge_reconciles_total"
                 in urllib.request.urlopen(op.metrics_url, timeout=5).read().decode()
@@ -518,11 +514,11 @@ def test_operator_reconciles_with_the_chart_service_account(
             op.stop()
             for name in ("p0-0", "p0-1", "d0-0", "d1-0"):
                 admin.core.delete_namespaced_pod(name, SERVING)
-            e2e_wait(
+            wait_for(
                 lambda: not admin.core.list_namespaced_pod(SERVING).items, what="serving pods gone"
             )
             # The agent made each pod its endpoint's owner: the garbage collector cleans up.
-            e2e_wait(
+            wait_for(
                 lambda: not admin.list(ENDPOINTS, SERVING),
                 timeout=60,
                 what="KVEndpoints garbage-collected with their pods",

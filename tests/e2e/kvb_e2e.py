@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,12 +42,6 @@ def wait_for(fn: Callable[[], T], *, timeout: float = 30.0, interval: float = 0.
                 return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:

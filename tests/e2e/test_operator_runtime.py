@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from kvb_e2e import Api, OperatorProcess, free_port, http_get, wait_for
+from kvb_e2e import Api, OperatorProcess, http_get, wait_for
+from kvbridge_cluster import free_port
 
 from kvbridge_operator.config import FINALIZER
 
