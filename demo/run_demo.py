@@ -107,8 +107,10 @@ def run(cleanup: list) -> int:
     token = k("create", "token", RELEASE, "-n", SYS_NS, "--duration=3600s").stdout.strip()
     kubeconfig = cluster.kubeconfig_for_token(token, "operator")
     liveness, webhook_port = kc.free_port(), kc.free_port()
-    cert, key = kc.make_serving_cert(Path(cluster.workdir) / "webhook", "webhook",
-                                     ["127.0.0.1", "localhost"])
+    from kvbridge_operator.webhook import self_signed_certificate
+
+    cert, key = self_signed_certificate(Path(cluster.workdir) / "webhook",
+                                        ["127.0.0.1", "localhost"])
     log = open(Path(cluster.workdir) / "operator.log", "wb")   # noqa: SIM115
     op = subprocess.Popen(
         [sys.executable, "-m", "kopf", "run", "--all-namespaces",

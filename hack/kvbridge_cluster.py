@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,28 +86,6 @@ def free_port() -> int:
 
 def _run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw)
-
-
-def make_serving_cert(directory: Path, name: str, hosts: Iterable[str]) -> tuple[Path, Path]:
-    """Self-signed serving certificate (openssl, with SANs) usable as its own CA bundle.
-
-    kopf's own self-signed path does not work with OpenSSL 3, hence openssl here.
-    Returns (certfile, keyfile).
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    crt, key = directory / f"{name}.crt", directory / f"{name}.key"
-    sans = ",".join(
-        f"IP:{h}" if h.replace(".", "").isdigit() or ":" in h else f"DNS:{h}" for h in hosts
-    )
-    _run(
-        [
-            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-sha256",
-            "-days", "30", "-keyout", str(key), "-out", str(crt),
-            "-subj", f"/CN={name}", "-addext", f"subjectAltName={sans}",
-            "-addext", "basicConstraints=critical,CA:TRUE",
-        ]
-    )  # fmt: skip
-    return crt, key
 
 
 @dataclass

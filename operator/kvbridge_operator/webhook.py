@@ -20,10 +20,13 @@ from .config import ENDPOINTS, GROUP, TRANSFERS, VERSION, Settings
 WEBHOOKS = {"validate-kvendpoint": ENDPOINTS, "validate-kvtransfer": TRANSFERS}
 
 
-def self_signed_certificate(directory: Path, hosts: list[str]) -> tuple[Path, Path]:
-    """A self-signed serving certificate (also its own CA) for ``hosts``; (cert, key)."""
+def self_signed_certificate(
+    directory: Path, hosts: list[str], name: str = "webhook"
+) -> tuple[Path, Path]:
+    """A self-signed serving certificate (also its own CA) for ``hosts``; (cert, key) as
+    ``<name>.crt`` / ``<name>.key``. openssl, since kopf's own path fails with OpenSSL 3."""
     directory.mkdir(parents=True, exist_ok=True)
-    crt, key = directory / "webhook.crt", directory / "webhook.key"
+    crt, key = directory / f"{name}.crt", directory / f"{name}.key"
     sans = []
     for h in hosts:
         try:

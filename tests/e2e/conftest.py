@@ -6,19 +6,16 @@ per test. Missing binaries FAIL the session (CI must run these): run
 from __future__ import annotations
 
 import re
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import kvbridge_cluster as kc
 import pytest
 from kvb_e2e import REPO, Api, OperatorProcess, wait_for
 
-sys.path.insert(0, str(REPO / "hack"))
-import kvbridge_cluster as kc
-
 from kvbridge_operator.config import TRANSFERS
-from kvbridge_operator.webhook import webhook_configuration
+from kvbridge_operator.webhook import self_signed_certificate, webhook_configuration
 
 #: Fake nodes: two zones, for the TopologyAware policy.
 NODES = {
@@ -62,7 +59,7 @@ def operator(cluster: kc.LocalCluster, tmp_path_factory: pytest.TempPathFactory
     token = cluster.service_account_token(OPERATOR_NS, OPERATOR_SA)
     kubeconfig = cluster.kubeconfig_for_token(token, "operator")
     ports = {"metrics": kc.free_port(), "liveness": kc.free_port(), "webhook": kc.free_port()}
-    cert, key = kc.make_serving_cert(work, "webhook", ["127.0.0.1", "localhost"])
+    cert, key = self_signed_certificate(work, ["127.0.0.1", "localhost"])
     env = {
         "KVBRIDGE_METRICS_PORT": str(ports["metrics"]),
         "KVBRIDGE_METRICS_ADDR": "127.0.0.1",
