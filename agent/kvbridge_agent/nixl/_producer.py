@@ -75,6 +75,16 @@ class CompletionTracker:
         self._warned_unknown.discard(request_id)
         return expiry
 
+    def set_lease(self, request_id: str, lease_s: float) -> None:
+        """Set a held request's deadline to ``lease_s`` from now, keeping its count."""
+        lease = self._leases.get(request_id)
+        if lease is not None:
+            lease.expiry = self._clock() + float(lease_s)
+
+    def forget(self, request_id: str) -> None:
+        """Stop holding ``request_id`` without reporting it (an aborted request)."""
+        self._leases.pop(request_id, None)
+
     def pending(self) -> tuple[str, ...]:
         return tuple(self._leases)
 

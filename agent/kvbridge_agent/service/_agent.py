@@ -17,6 +17,7 @@ from ..protocol import (
     CompatibilityFactors,
     EngineGeometry,
     NixlAgentMetadata,
+    NixlHandshakePayload,
     ProtocolError,
     compatibility_hash,
     make_payload,
@@ -85,6 +86,7 @@ class AgentService:
         self._started: dict[str, float] = {}
         self._expected: dict[str, list[list[int]]] = {}   # decode, push: rid -> local ids
         self._released: dict[str, str] = {}               # rid -> ReleaseReason, for waiters
+        self._async: set[str] = set()                      # pulls started by start_pull
         #: completion notifications processed (decode in push mode, prefill in pull mode)
         self.notifications_received = 0
         self._stop = threading.Event()
@@ -132,13 +134,15 @@ class AgentService:
                 self.pull_engine = PullEngine(self.local, timeout_s=s.transfer_timeout_s)
             elif e.role == PREFILL and e.mode == "push":
                 self.push_engine = PushEngine(self.local, timeout_s=s.transfer_timeout_s)
-            else:   # the side that waits for completion notifications
+            if self._mover is None or s.producer_too:
+                # the side that waits for completion notifications
                 self.tracker = CompletionTracker(on_release=self._on_release)
-            self.server = SideChannelServer(
-                {(0, e.tp_rank): make_payload(self.metadata, self.hash)},
-                host=s.side_channel_host, port=s.side_channel_port or 0,
-                dp_index=e.dp_index if s.side_channel_port else 0)
-            self.server.start()
+            if s.serve_side_channel:
+                self.server = SideChannelServer(
+                    {(0, e.tp_rank): self.payload}, host=s.side_channel_host,
+                    port=s.side_channel_port or 0,
+                    dp_index=e.dp_index if s.side_channel_port else 0)
+                self.server.start()
             self._client = SideChannelClient()
             self._thread = threading.Thread(
                 target=self._progress_loop, name=f"kvbridge-progress-{e.tp_rank}", daemon=True)
@@ -185,7 +189,18 @@ class AgentService:
     # -- identity ----------------------------------------------------------------------------
     @property
     def port(self) -> int:
-        return int(self.server.port) if self.server is not None else 0
+        """The side-channel port peers connect to (ours, or the host engine's)."""
+        if self.server is not None:
+            return int(self.server.port)
+        if not self.settings.serve_side_channel and self.settings.side_channel_port:
+            return self.settings.side_channel_port + self.engine.dp_index
+        return 0
+
+    @property
+    def payload(self) -> NixlHandshakePayload:
+        """The v11 handshake payload (hash + metadata) for this rank, as served."""
+        assert self.metadata is not None, "start() first"
+        return make_payload(self.metadata, self.hash)
 
     @property
     def advertise_host(self) -> str:
@@ -334,7 +349,7 @@ class AgentService:
                         if ref.key in self._peers:
                             self._drop(ref.key, "re-handshake")
                         agent_name = self.agent.add_remote(bytes(meta.agent_metadata))
-                    if not agent_name.endswith(f"-e{ref.epoch}"):
+                    if ref.epoch is not None and not agent_name.endswith(f"-e{ref.epoch}"):
                         self._unload(ref, agent_name)
                         raise StalePeerError(
                             f"side channel {ref.host}:{ref.port} answered with NIXL agent "
@@ -357,7 +372,7 @@ class AgentService:
         metrics.HANDSHAKE_SECONDS.observe(elapsed)
         ok = result == "succeeded"
         (log.info if ok else log.warning)(
-            "agent %s: handshake with %s (%s rank %d epoch %d at %s:%d): %s%s",
+            "agent %s: handshake with %s (%s rank %d epoch %s at %s:%d): %s%s",
             self.agent_name, ref.name, ref.engine_id, ref.tp_rank, ref.epoch, ref.host,
             ref.port, result, f": {message}" if message else "")
         return PeerReport(ref.name, ref.engine_id, ref.epoch, ok, message, result, utc_timestamp(),
@@ -409,6 +424,67 @@ class AgentService:
             request_id=request_id, remote_engine_id=remote_engine_id,
             local_block_ids=local_block_ids, remote_block_ids=remote_block_ids,
             remote_request_id=remote_request_id, timeout_s=timeout), expected_epoch, timeout)
+
+    def start_pull(
+        self,
+        request_id: str,
+        remote_engine_id: str,
+        local_block_ids: Sequence[Sequence[int]],
+        remote_block_ids: Sequence[Sequence[int]],
+        *,
+        remote_request_id: str | None = None,
+        num_computed_blocks: Sequence[int] | None = None,
+        remote_num_tokens: int | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Post the READs of a pull and return at once (an engine's step loop cannot
+        block); the outcome comes from :meth:`take_pull_results`, exactly once. Like
+        :meth:`pull`, never handshakes, and a failure never notifies the producer."""
+        from ..nixl import PullRequest
+
+        if self.pull_engine is None:
+            raise RuntimeError(f"agent {self.agent_name}: pull needs a decode agent in pull mode")
+        timeout = self.settings.transfer_timeout_s if timeout_s is None else float(timeout_s)
+        with self._lock:
+            self._async.add(request_id)
+            self._started[request_id] = time.perf_counter()
+            self.pull_engine.start(PullRequest(
+                request_id=request_id, remote_engine_id=remote_engine_id,
+                local_block_ids=local_block_ids, remote_block_ids=remote_block_ids,
+                remote_request_id=remote_request_id, timeout_s=timeout,
+                num_computed_blocks=num_computed_blocks, remote_num_tokens=remote_num_tokens))
+
+    def take_pull_results(self) -> list[TransferResult]:
+        """Pulls started by :meth:`start_pull` that finished or failed since the last call."""
+        from ..nixl import TransferFailure
+
+        out = []
+        with self._lock:
+            self._poll_locked()
+            for rid in [r for r in self._async if r in self._results]:
+                self._async.discard(rid)
+                res = self._results.pop(rid)
+                seconds = time.perf_counter() - self._started.pop(rid, time.perf_counter())
+                if isinstance(res, TransferFailure):
+                    out.append(self._failed(rid, res.cause.value, res.message))
+                    continue
+                metrics.TRANSFER_BYTES.inc(res.nbytes)
+                metrics.TRANSFER_DESCS.inc(res.descs)
+                metrics.TRANSFER_SECONDS.observe(seconds)
+                out.append(TransferResult(rid, True, res.nbytes, res.descs, res.parts, seconds))
+        return out
+
+    def has_remote(self, engine_id: str) -> bool:
+        """Whether some rank of ``engine_id`` is loaded (handshaken)."""
+        with self._lock:
+            return any(k[0] == engine_id for k in self._peers)
+
+    def drop_remote(self, engine_id: str, why: str) -> None:
+        """Unload every rank of ``engine_id`` (after a failed transfer, for instance): the
+        next request handshakes again and meets whatever agent serves there now."""
+        with self._lock:
+            for key in [k for k in self._peers if k[0] == engine_id]:
+                self._drop(key, why)
 
     def push(
         self,
@@ -497,6 +573,36 @@ class AgentService:
             for rid in request_ids:
                 tracker.register(rid, lease_s=lease_s)
 
+    def unhold(self, request_ids: Iterable[str]) -> None:
+        """Stop holding requests that were aborted (never reported as finished)."""
+        with self._lock:
+            tracker = self._waiting_side("unhold")
+            for rid in request_ids:
+                tracker.forget(rid)
+
+    def set_lease(self, request_id: str, lease_s: float) -> None:
+        """Set a held request's lease to end ``lease_s`` from now (notifications counted
+        so far are kept)."""
+        with self._lock:
+            self._waiting_side("set_lease").set_lease(request_id, lease_s)
+
+    def send_heartbeat(self, engine_id: str, request_ids: Sequence[str]) -> None:
+        """Extend the leases a producer holds for us (``"HB:id,..."`` to each loaded rank
+        of ``engine_id``); a failed send is logged, the producer's lease decides."""
+        from ..nixl import heartbeat_message
+
+        if not request_ids:
+            return
+        message = heartbeat_message(list(request_ids))
+        with self._lock:
+            for key, peer in self._peers.items():
+                if key[0] != engine_id or self.agent is None:
+                    continue
+                try:
+                    self.agent.send_notif(peer.agent_name, message)
+                except Exception as exc:
+                    log.warning("heartbeat to %s failed: %s", peer.agent_name, exc)
+
     def expect(self, request_id: str, local_block_ids: Sequence[Sequence[int]], *,
                lease_s: float | None = None) -> None:
         """Push-mode decode side: expect ``request_id`` to be written into these local blocks
@@ -578,7 +684,7 @@ class AgentService:
                 self._results[r.request_id] = r
             if res.finished or res.failed:
                 self._cond.notify_all()
-        elif self.tracker is not None:
+        if self.tracker is not None:
             notifs = self.agent.get_notifs()
             self.notifications_received += sum(
                 1 for msgs in notifs.values() for m in msgs if not bytes(m).startswith(b"HB:"))

@@ -81,6 +81,11 @@ class AgentSettings:
         mem_types: a ``nixl.MemTypeMap`` (default: production DRAM/VRAM).
         epoch: this start's epoch (default: milliseconds since the Unix epoch).
         enforce_hash: refuse peers with another compatibility hash (vLLM default).
+        serve_side_channel: serve the v11 payload on our own side channel. ``False`` when
+            the host engine serves it (vLLM's scheduler does); ``side_channel_port`` is
+            then the port that engine serves on, published as is (plus ``dp_index``).
+        producer_too: in pull mode, a decode agent also holds blocks for remote readers
+            and counts their completion notifications (vLLM's ``kv_both`` role).
     """
 
     side_channel_host: str = "127.0.0.1"
@@ -92,11 +97,17 @@ class AgentSettings:
     mem_types: Any = None
     epoch: int | None = None
     enforce_hash: bool = True
+    serve_side_channel: bool = True
+    producer_too: bool = False
 
 
 @dataclass(frozen=True)
 class PeerRef:
-    """One assigned peer, as the operator writes it into ``status.peers``."""
+    """One assigned peer, as the operator writes it into ``status.peers``.
+
+    ``epoch`` is ``None`` for a peer found on demand (a request's ``kv_transfer_params``),
+    whose epoch nobody assigned: any NIXL agent answering on that side channel is taken.
+    """
 
     name: str
     engine_id: str
@@ -104,7 +115,7 @@ class PeerRef:
     port: int
     tp_rank: int
     tp_size: int
-    epoch: int
+    epoch: int | None
     role: str = ""
 
     @classmethod
@@ -126,7 +137,7 @@ class PeerReport:
 
     peer: str
     engine_id: str
-    epoch: int
+    epoch: int | None
     ok: bool
     message: str = ""
     reason: str = ""

@@ -27,10 +27,10 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import metrics
-from .geometry import CacheView
-from .protocol import CompatibilityFactors
-from .service import AgentService, AgentSettings, EngineInfo
+from .. import metrics
+from ..geometry import CacheView
+from ..protocol import CompatibilityFactors
+from ..service import AgentService, AgentSettings, EngineInfo
 
 __all__ = ["VllmRegistration", "build_views", "start_agent"]
 
@@ -151,7 +151,7 @@ def start_agent(reg: VllmRegistration, *, transfer: str | None = None,
     if publish is None:
         publish = bool(env.get("POD_NAME") and env.get("POD_UID"))
     if publish:
-        from .kube import EndpointPublisher, EndpointSync, PodIdentity, api_client
+        from ..kube import EndpointPublisher, EndpointSync, PodIdentity, api_client
 
         pod = PodIdentity.from_env()
         sync = EndpointSync(service, EndpointPublisher(api_client(), pod),

@@ -1,0 +1,58 @@
+"""``KVBridgeConnector``: vLLM's NIXL connector with kvbridge's agent as its worker.
+
+Loaded by vLLM's connector factory through ``kv_connector_module_path``. The scheduler side
+is vLLM's ``NixlPullConnectorScheduler`` unchanged (request flow, ``kv_transfer_params``,
+leases, the v11 side channel serving the payload this worker builds), so kvbridge and stock
+vLLM engines interoperate both ways. Unsupported settings fail here, at engine start-up,
+with the setting named. Push mode (vLLM's ``NixlPushConnector``) is not offered:
+``KVBridgePushConnector`` exists only to say so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+    NixlBaseConnector,
+    NixlPullConnector,
+    NixlPullConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+from ._facts import UnsupportedVllmSettingError, refuse_unsupported
+from ._worker import KVBridgeWorker
+
+__all__ = ["KVBridgeConnector", "KVBridgePushConnector"]
+
+
+class KVBridgeConnector(NixlPullConnector):
+    """Pull-mode (READ) P/D connector: vLLM's scheduler side, kvbridge's worker side."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        # Skip NixlPullConnector.__init__: it would build vLLM's own worker (and NIXL agent).
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        refuse_unsupported(vllm_config, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = NixlPullConnectorScheduler(
+                vllm_config, self.engine_id, kv_cache_config)
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = KVBridgeWorker(  # type: ignore[assignment]
+                vllm_config, self.engine_id, kv_cache_config)
+        else:
+            raise ValueError(f"KVBridgeConnector: unsupported connector role {role!r}")
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert isinstance(self.connector_worker, KVBridgeWorker)
+        assert isinstance(self._connector_metadata, NixlConnectorMetadata)
+        self.connector_worker.start_load_kv(self._connector_metadata)
+
+
+class KVBridgePushConnector(KVBridgeConnector):
+    """Refuses at start-up: kvbridge's connector does not implement vLLM's push mode."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        raise UnsupportedVllmSettingError(
+            "KVBridgePushConnector: push mode (prefill WRITEs, vLLM's NixlPushConnector) is "
+            "not implemented by kvbridge's vLLM connector; use KVBridgeConnector (pull) or "
+            "vLLM's NixlPushConnector")

@@ -1,0 +1,298 @@
+"""vLLM's worker-side connector contract, carried out by kvbridge's agent.
+
+vLLM's ``NixlBaseConnector`` facade forwards worker calls to ``connector_worker``; this
+class is that worker. Per engine step:
+
+- ``start_load_kv(metadata)``: pulls for ``reqs_to_recv`` (after an on-demand handshake in
+  the background if the remote is not loaded yet, none if the operator's preflight loaded
+  it), lease bookkeeping for ``reqs_in_batch`` / ``reqs_to_send`` (the prefill side), and
+  the heartbeats vLLM's scheduler asks for;
+- ``get_transfer_results()``: finished and failed receives and the requests whose blocks
+  may be freed (every consumer notified, or the lease expired), in vLLM's terms. A failed
+  pull never notifies the producer; for models without the hybrid allocator its blocks
+  are reported as load errors so ``kv_load_failure_policy`` applies.
+
+In a pod with the downward-API variables the agent also publishes its KVEndpoint and
+follows the operator's peers (:class:`~kvbridge_agent.kube.EndpointSync`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from vllm import envs
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlConnectorMetadata,
+    NixlHandshakePayload,
+    ReqMeta,
+)
+
+from .. import metrics
+from ..geometry import handshake_target_ranks
+from ..service import AgentService, AgentSettings, EngineInfo, PeerRef
+from ._facts import EngineFacts, UnsupportedVllmSettingError, read_engine_facts
+from ._layers import LayerCache, layer_views
+
+__all__ = ["KVBridgeWorker"]
+
+log = logging.getLogger("kvbridge.vllm")
+
+#: Transfer failures that say nothing about the peer (the request itself was wrong).
+_REQUEST_FAULTS = frozenset({"invalid_request", "unsupported"})
+
+
+@dataclass(frozen=True)
+class _Handshake:
+    engine_id: str
+    ok: bool
+    message: str = ""
+
+
+class KVBridgeWorker:
+    """The worker half of :class:`~kvbridge_agent.vllm.KVBridgeConnector` (one TP rank)."""
+
+    # Attributes vLLM's facade reads: no PCP, no host staging buffer.
+    pcp_rank = 0
+    pcp_dcp_sharded = False
+    use_host_buffer = False
+    copy_blocks = None
+
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        self.facts: EngineFacts = read_engine_facts(vllm_config, engine_id, kv_cache_config)
+        extra = self.facts.extra
+        self.role = os.environ.get("KVBRIDGE_ROLE") or self.facts.role
+        if self.role not in ("prefill", "decode"):
+            raise UnsupportedVllmSettingError(
+                f"KVBRIDGE_ROLE={self.role!r}: expected 'prefill' or 'decode'")
+        if self.facts.kv_role == "kv_producer" and self.role == "decode":
+            raise UnsupportedVllmSettingError(
+                "KVBRIDGE_ROLE='decode' with kv_role='kv_producer': a producer never pulls; "
+                "use kv_role 'kv_consumer' or 'kv_both'")
+        self.transfer_timeout_s = float(extra.get("kvbridge_transfer_timeout_s", 30.0))
+        self.handshake_timeout_s = float(extra.get("kvbridge_handshake_timeout_s", 5.0))
+        self.lease_s = float(extra.get("kv_lease_duration", 30))
+        self.enforce_hash = bool(extra.get("enforce_handshake_compat", True))
+        self.service: AgentService | None = None
+        self.sync: Any = None
+        self.kv_caches: dict[str, Any] = {}
+        self.xfer_handshake_metadata: NixlHandshakePayload | None = None
+        self._recving: dict[str, ReqMeta] = {}        # reported when their pull ends
+        self._awaiting_handshake: dict[str, list[tuple[str, ReqMeta]]] = {}
+        self._handshakes: queue.Queue[_Handshake] = queue.Queue()
+        self._handshaking: set[str] = set()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-handshake")
+        self._failed: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._held: set[str] = set()                  # prefill side: requests in a batch
+        self._lock = threading.Lock()
+
+    # -- registration ------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Register the caches vLLM allocated and build the v11 payload vLLM's scheduler
+        serves; publish the KVEndpoint when running in a pod."""
+        f = self.facts
+        layers = [LayerCache(name, tensor, spec.group_id, spec.page_bytes, spec.num_blocks,
+                             spec.is_mla, spec.host_resident)
+                  for name, tensor in kv_caches.items()
+                  if (spec := f.layers.get(name)) is not None]
+        if not layers:
+            raise UnsupportedVllmSettingError(
+                "KVBridgeConnector: no KV cache layer to register (no attention layers?)")
+        env = os.environ
+        host = envs.VLLM_NIXL_SIDE_CHANNEL_HOST
+        settings = AgentSettings(
+            side_channel_host=host, side_channel_port=int(envs.VLLM_NIXL_SIDE_CHANNEL_PORT),
+            advertise_host=env.get("POD_IP") or host,
+            handshake_timeout_s=self.handshake_timeout_s,
+            transfer_timeout_s=self.transfer_timeout_s, enforce_hash=self.enforce_hash,
+            serve_side_channel=False,
+            producer_too=f.kv_role == "kv_both" and self.role == "decode")
+        info = EngineInfo(
+            f.engine_id, self.role, tp_rank=f.tp_rank, tp_size=f.tp_size, dp_index=f.dp_index,
+            block_size=f.block_size, ppl=f.ppl, num_blocks=f.num_blocks,
+            kv_cache_layout=f.kv_cache_layout, attn_backend_name=f.attn_backend_name,
+            is_mla=f.is_mla, num_kv_heads=f.num_kv_heads, mode="pull")
+        self.service = AgentService(layer_views(layers), info, f.compat_hash, settings).start()
+        self.kv_caches = dict(kv_caches)
+        payload = self.service.payload
+        self.xfer_handshake_metadata = NixlHandshakePayload(
+            compatibility_hash=payload.compatibility_hash,
+            agent_metadata_bytes=payload.agent_metadata_bytes)
+        self._start_kubernetes_duties()
+
+    def _start_kubernetes_duties(self) -> None:
+        """Publish and follow the KVEndpoint when the pod's identity is in the environment;
+        serve agent metrics when ``KVBRIDGE_AGENT_METRICS_PORT`` is set."""
+        env = os.environ
+        if env.get("KVBRIDGE_AGENT_METRICS_PORT"):
+            port = metrics.serve(int(env["KVBRIDGE_AGENT_METRICS_PORT"]))
+            log.info("kvbridge agent metrics on port %d", port)
+        if not (env.get("POD_NAME") and env.get("POD_UID")):
+            return
+        transfer = env.get("KVBRIDGE_TRANSFER")
+        if not transfer:
+            raise UnsupportedVllmSettingError(
+                "KVBRIDGE_TRANSFER is not set: in a pod (POD_NAME and POD_UID set) the "
+                "connector publishes a KVEndpoint and needs the name of its KVTransfer")
+        from ..kube import EndpointPublisher, EndpointSync, PodIdentity, api_client
+
+        assert self.service is not None
+        self.sync = EndpointSync(
+            self.service, EndpointPublisher(api_client(), PodIdentity.from_env()), transfer,
+            interval_s=float(env.get("KVBRIDGE_SYNC_INTERVAL_S", "1.0"))).start()
+
+    # -- the decode side: pulls ---------------------------------------------------------------
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        svc = self._svc()
+        self._drain_handshakes()
+        for req_id, meta in metadata.reqs_to_recv.items():
+            remote = meta.remote
+            assert remote is not None
+            if meta.awaiting_kvs or any(meta.local_block_ids):
+                self._recving[req_id] = meta
+            if svc.has_remote(remote.engine_id):
+                self._start_pull(req_id, meta)
+            else:
+                self._awaiting_handshake.setdefault(remote.engine_id, []).append(
+                    (req_id, meta))
+                self._ensure_handshake(remote.engine_id, remote.host, remote.port,
+                                       meta.tp_size)
+        self._producer_bookkeeping(metadata)
+        for engine_id, hb in metadata.heartbeat_by_engine.items():
+            if svc.has_remote(engine_id):
+                svc.send_heartbeat(engine_id, sorted(hb.req_ids))
+            else:
+                self._ensure_handshake(engine_id, hb.host, hb.port, hb.tp_size)
+
+    def _start_pull(self, req_id: str, meta: ReqMeta) -> None:
+        remote = meta.remote
+        assert remote is not None
+        self._svc().start_pull(
+            req_id, remote.engine_id, meta.local_block_ids, remote.block_ids,
+            remote_request_id=remote.request_id,
+            num_computed_blocks=list(meta.local_num_computed_blocks) or None,
+            remote_num_tokens=remote.num_tokens)
+
+    def _ensure_handshake(self, engine_id: str, host: str, port: int, tp_size: int) -> None:
+        """Handshake with ``engine_id`` in the background (one at a time, as vLLM does)."""
+        with self._lock:
+            if engine_id in self._handshaking:
+                return
+            self._handshaking.add(engine_id)
+        self._executor.submit(self._handshake, engine_id, host, int(port), int(tp_size))
+
+    def _handshake(self, engine_id: str, host: str, port: int, tp_size: int) -> None:
+        svc, f = self._svc(), self.facts
+        try:
+            ranks = handshake_target_ranks(f.tp_rank, f.tp_size, tp_size)
+            reports = [svc.handshake(PeerRef(f"{engine_id}-tp{r}", engine_id, host, port, r,
+                                             tp_size, None, "prefill")) for r in ranks]
+            bad = [r for r in reports if not r.ok]
+            result = _Handshake(engine_id, not bad,
+                                "; ".join(f"{r.peer}: {r.reason}: {r.message}" for r in bad))
+        except Exception as exc:   # a wrong TP size, for instance: fail its requests
+            result = _Handshake(engine_id, False, f"{type(exc).__name__}: {exc}")
+        with self._lock:
+            self._handshaking.discard(engine_id)
+        self._handshakes.put(result)
+
+    def _drain_handshakes(self) -> None:
+        while True:
+            try:
+                done = self._handshakes.get_nowait()
+            except queue.Empty:
+                return
+            waiting = self._awaiting_handshake.pop(done.engine_id, [])
+            if done.ok:
+                for req_id, meta in waiting:
+                    self._start_pull(req_id, meta)
+                continue
+            log.warning("handshake with remote engine %s failed: %s; failing %d request(s)",
+                        done.engine_id, done.message, len(waiting))
+            self._failed.update(req_id for req_id, _ in waiting)
+
+    # -- the prefill side: leases -------------------------------------------------------------
+    def _producer_bookkeeping(self, metadata: NixlConnectorMetadata) -> None:
+        """Hold blocks of requests in a batch (a reader may come before the lease is set),
+        release aborted ones, and set the lease vLLM's scheduler stamped."""
+        svc = self._svc()
+        if svc.tracker is None:
+            return
+        new = [r for r in metadata.reqs_in_batch if r not in self._held]
+        if new:
+            svc.hold(new, lease_s=float("inf"))
+            self._held.update(new)
+        gone = [r for r in metadata.reqs_not_processed if r in self._held]
+        if gone:
+            svc.unhold(gone)
+            self._held.difference_update(gone)
+        clock = metadata.scheduler_clock
+        for req_id, expires in metadata.reqs_to_send.items():
+            if req_id in self._held:
+                ttl = expires - clock if clock else self.lease_s
+                svc.set_lease(req_id, max(ttl, 0.0))
+
+    # -- results --------------------------------------------------------------------------------
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        svc = self._svc()
+        self._drain_handshakes()
+        done = svc.completions()
+        sending = set(done["finished"]) | set(done["expired"])
+        self._held.difference_update(sending)
+        recving: set[str] = set()
+        for res in svc.take_pull_results():
+            if res.ok:
+                if self._recving.pop(res.request_id, None) is not None:
+                    recving.add(res.request_id)
+                continue
+            self._failed.add(res.request_id)
+            if res.cause not in _REQUEST_FAULTS:
+                meta = self._recving.get(res.request_id)
+                if meta is not None and meta.remote is not None:
+                    svc.drop_remote(meta.remote.engine_id, f"transfer failed: {res.cause}")
+        failed: set[str] = set()
+        for req_id in self._failed:
+            meta = self._recving.pop(req_id, None)
+            if meta is None:
+                continue       # a notify-only request: its KV is local
+            failed.add(req_id)
+            if not self.facts.hma and meta.local_block_ids:
+                self._load_errors.update(meta.local_block_ids[0])
+        self._failed.clear()
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving | failed, failed_recving=failed)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        results = self.get_transfer_results()
+        return results.finished_sending, results.finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def get_kv_connector_stats(self) -> None:
+        return None   # kvbridge exports Prometheus metrics of its own
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        """Host staging buffers are refused at start-up; nothing to copy."""
+
+    def shutdown(self) -> None:
+        if self.sync is not None:
+            self.sync.stop()
+            self.sync = None
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.service is not None:
+            self.service.close()
+            self.service = None
+
+    def _svc(self) -> AgentService:
+        if self.service is None:
+            raise RuntimeError("KVBridgeConnector worker: register_kv_caches has not run")
+        return self.service
