@@ -673,6 +673,30 @@ def test_examples_fit_the_chart() -> None:
     assert {"metadata.name", "metadata.uid", "status.podIP"} <= fields
 
 
+def test_vllm_pod_example_loads_the_connector_with_one_flag() -> None:
+    """examples/vllm-pod.yaml: a valid Pod that runs ``vllm serve`` with KVBridgeConnector,
+    the chart's agent ServiceAccount and labels, and the downward-API variables."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    (pod,) = yaml.safe_load_all((REPO / "examples" / "vllm-pod.yaml").read_text())
+    _validate_k8s(pod)
+    assert pod["spec"]["serviceAccountName"] == one(render(), "ServiceAccount",
+                                                    "kvbridge-agent")["metadata"]["name"]
+    for key, val in values["networkPolicy"]["podSelector"]["matchLabels"].items():
+        assert pod["metadata"]["labels"][key] == val
+    (container,) = pod["spec"]["containers"]
+    cmd = container["command"]
+    assert cmd[:2] == ["vllm", "serve"]
+    config = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert config == {"kv_connector": "KVBridgeConnector",
+                      "kv_connector_module_path": "kvbridge_agent.vllm", "kv_role": "kv_both"}
+    env = {e["name"]: e for e in container["env"]}
+    fields = {e["valueFrom"]["fieldRef"]["fieldPath"] for e in env.values() if "valueFrom" in e}
+    assert {"metadata.name", "metadata.uid", "metadata.namespace", "status.podIP"} <= fields
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == str(
+        values["networkPolicy"]["sideChannelPort"])
+    assert {"KVBRIDGE_TRANSFER", "KVBRIDGE_ROLE"} <= set(env)
+
+
 def test_package(tmp_path: Path) -> None:
     """The packaged chart carries its CRDs, schema, README and NOTES, and nothing stray."""
     import tarfile

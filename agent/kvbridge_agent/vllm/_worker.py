@@ -13,7 +13,10 @@ class is that worker. Per engine step:
   are reported as load errors so ``kv_load_failure_policy`` applies.
 
 In a pod with the downward-API variables the agent also publishes its KVEndpoint and
-follows the operator's peers (:class:`~kvbridge_agent.kube.EndpointSync`).
+follows the operator's peers (:class:`~kvbridge_agent.kube.EndpointSync`). Without an
+operator, ``kv_connector_extra_config.kvbridge_peers`` (a list of ``{"engine_id", "host",
+"port", "tp_size"}``) names prefill engines to preflight at start-up, retried until they
+answer, so that their first request pays no handshake either.
 """
 
 from __future__ import annotations
@@ -55,6 +58,22 @@ class _Handshake:
     message: str = ""
 
 
+def _static_peer(item: Any) -> dict[str, Any]:
+    """One ``kvbridge_peers`` entry, checked: ``engine_id``, ``host``, ``port``, ``tp_size``."""
+    where = "kv_connector_extra_config.kvbridge_peers"
+    if not isinstance(item, dict) or not {"engine_id", "host", "port"} <= set(item):
+        raise UnsupportedVllmSettingError(
+            f"{where}: expected objects with engine_id, host, port (and tp_size), got {item!r}")
+    unknown = set(item) - {"engine_id", "host", "port", "tp_size"}
+    if unknown:
+        raise UnsupportedVllmSettingError(f"{where}: unknown keys {sorted(unknown)} in {item!r}")
+    try:
+        return {"engine_id": str(item["engine_id"]), "host": str(item["host"]),
+                "port": int(item["port"]), "tp_size": int(item.get("tp_size", 1))}
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedVllmSettingError(f"{where}: {item!r}: {exc}") from exc
+
+
 class KVBridgeWorker:
     """The worker half of :class:`~kvbridge_agent.vllm.KVBridgeConnector` (one TP rank)."""
 
@@ -92,6 +111,8 @@ class KVBridgeWorker:
         self._load_errors: set[int] = set()
         self._held: set[str] = set()                  # prefill side: requests in a batch
         self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.static_peers = [_static_peer(p) for p in extra.get("kvbridge_peers") or ()]
 
     # -- registration ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -126,6 +147,31 @@ class KVBridgeWorker:
             compatibility_hash=payload.compatibility_hash,
             agent_metadata_bytes=payload.agent_metadata_bytes)
         self._start_kubernetes_duties()
+        if self.static_peers:
+            threading.Thread(target=self._preflight_static_peers, daemon=True,
+                             name="kvbridge-preflight").start()
+
+    def _preflight_static_peers(self) -> None:
+        """Handshake with every configured peer until each has answered once."""
+        backoff = 0.5
+        todo = list(self.static_peers)
+        while todo and not self._stop.is_set():
+            svc = self.service
+            if svc is None:
+                return
+            for peer in list(todo):
+                if svc.has_remote(peer["engine_id"]):
+                    todo.remove(peer)
+                    continue
+                result = self._handshake_now(**peer)
+                if result.ok:
+                    todo.remove(peer)
+                else:
+                    log.info("preflight of %s not done yet: %s", peer["engine_id"],
+                             result.message)
+            if todo:
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
 
     def _start_kubernetes_duties(self) -> None:
         """Publish and follow the KVEndpoint when the pod's identity is in the environment;
@@ -189,6 +235,13 @@ class KVBridgeWorker:
         self._executor.submit(self._handshake, engine_id, host, int(port), int(tp_size))
 
     def _handshake(self, engine_id: str, host: str, port: int, tp_size: int) -> None:
+        result = self._handshake_now(engine_id, host, port, tp_size)
+        with self._lock:
+            self._handshaking.discard(engine_id)
+        self._handshakes.put(result)
+
+    def _handshake_now(self, engine_id: str, host: str, port: int, tp_size: int) -> _Handshake:
+        """Handshake with every rank of ``engine_id`` this rank reads from."""
         svc, f = self._svc(), self.facts
         try:
             ranks = handshake_target_ranks(f.tp_rank, f.tp_size, tp_size)
@@ -199,9 +252,7 @@ class KVBridgeWorker:
                                 "; ".join(f"{r.peer}: {r.reason}: {r.message}" for r in bad))
         except Exception as exc:   # a wrong TP size, for instance: fail its requests
             result = _Handshake(engine_id, False, f"{type(exc).__name__}: {exc}")
-        with self._lock:
-            self._handshaking.discard(engine_id)
-        self._handshakes.put(result)
+        return result
 
     def _drain_handshakes(self) -> None:
         while True:
@@ -284,6 +335,7 @@ class KVBridgeWorker:
         """Host staging buffers are refused at start-up; nothing to copy."""
 
     def shutdown(self) -> None:
+        self._stop.set()
         if self.sync is not None:
             self.sync.stop()
             self.sync = None
