@@ -12,7 +12,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH_SPEC ?= torch==2.13.0
 NIXL_SPEC ?= nixl-cu12==1.5.1
 
-.PHONY: venv test lint bench clean test-stack demo
+.PHONY: venv test lint bench clean test-stack vllm-venv demo
 
 venv: $(VENV)/.installed
 
@@ -33,7 +33,13 @@ lint: venv
 test-stack: venv
 	PYTHON=$(PY) bash hack/test-stack.sh ensure
 
-test: venv lint test-stack
+# Real vLLM 0.30.0 engines (CPU build) for tests/vllm_engines and bench/bench_vllm.py, in a
+# venv of their own outside the repository (vLLM pins its own torch and friends): ~5 minutes
+# the first time, cached under /var/cache/kvbridge.
+vllm-venv: venv
+	bash hack/vllm-venv.sh ensure
+
+test: venv lint test-stack vllm-venv
 	$(PY) -m pytest
 
 # The whole flow on a local control plane: chart, operator, simulated P/D pods with real
@@ -41,7 +47,7 @@ test: venv lint test-stack
 demo: venv
 	$(PY) demo/run_demo.py
 
-bench: venv
+bench: venv vllm-venv
 	@set -e; for b in bench/bench_*.py; do echo ">> $$b" >&2; $(PY) $$b; done
 
 clean:

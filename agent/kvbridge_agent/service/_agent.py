@@ -588,20 +588,22 @@ class AgentService:
 
     def send_heartbeat(self, engine_id: str, request_ids: Sequence[str]) -> None:
         """Extend the leases a producer holds for us (``"HB:id,..."`` to each loaded rank
-        of ``engine_id``); a failed send is logged, the producer's lease decides."""
+        of ``engine_id``). A rank that cannot be reached is dropped, so the next request
+        handshakes again instead of reading from a dead agent; its lease decides the rest."""
         from ..nixl import heartbeat_message
 
         if not request_ids:
             return
         message = heartbeat_message(list(request_ids))
         with self._lock:
-            for key, peer in self._peers.items():
+            for key, peer in list(self._peers.items()):
                 if key[0] != engine_id or self.agent is None:
                     continue
                 try:
                     self.agent.send_notif(peer.agent_name, message)
-                except Exception as exc:
+                except Exception as exc:   # a dead agent: the next request handshakes again
                     log.warning("heartbeat to %s failed: %s", peer.agent_name, exc)
+                    self._drop(key, f"heartbeat failed: {exc}")
 
     def expect(self, request_id: str, local_block_ids: Sequence[Sequence[int]], *,
                lease_s: float | None = None) -> None:

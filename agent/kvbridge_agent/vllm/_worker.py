@@ -163,12 +163,11 @@ class KVBridgeWorker:
                 if svc.has_remote(peer["engine_id"]):
                     todo.remove(peer)
                     continue
-                result = self._handshake_now(**peer)
-                if result.ok:
+                ok, message = self.preflight(**peer)
+                if ok:
                     todo.remove(peer)
                 else:
-                    log.info("preflight of %s not done yet: %s", peer["engine_id"],
-                             result.message)
+                    log.info("preflight of %s not done yet: %s", peer["engine_id"], message)
             if todo:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
@@ -233,6 +232,13 @@ class KVBridgeWorker:
                 return
             self._handshaking.add(engine_id)
         self._executor.submit(self._handshake, engine_id, host, int(port), int(tp_size))
+
+    def preflight(self, engine_id: str, host: str, port: int, tp_size: int = 1
+                  ) -> tuple[bool, str]:  # fmt: skip
+        """Handshake with a prefill engine now, so its first request pays none; returns
+        ``(ok, why not)``. The operator's peer assignments and ``kvbridge_peers`` do this."""
+        result = self._handshake_now(engine_id, host, int(port), int(tp_size))
+        return result.ok, result.message
 
     def _handshake(self, engine_id: str, host: str, port: int, tp_size: int) -> None:
         result = self._handshake_now(engine_id, host, port, tp_size)

@@ -1,0 +1,116 @@
+"""KVBridgeConnector inside real vLLM 0.30.0 engines, against vLLM's own NIXL connector.
+
+Per model (a 2-layer Llama: one KV cache group; a Llama alternating sliding-window and full
+attention: two groups, so grouped transfers run inside vLLM) five engines run as separate
+processes: a reference engine without a connector, a stock and a kvbridge prefill, a stock
+and a kvbridge decode. In all four pairings (stock->stock, the control; kvbridge->kvbridge;
+stock->kvbridge; kvbridge->stock) the decode engine's greedy tokens must equal the reference
+engine's, token for token, for a prompt shorter than a block, a prompt of many blocks and one
+whose prefix the decode engine already holds, and the decode's received blocks must equal
+the prefill's, byte for byte, read through the registered KV tensors. The weights are seeded
+random (not vLLM's dummy loader), so wrong KV changes the tokens (see test_vllm_control).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_harness import EngineProcess, pd_generate, start_engines, write_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.nixl, pytest.mark.vllm]
+
+BLOCK = 32
+VOCAB = 500
+MAX_TOKENS = 8
+PAIRINGS = [("stock", "stock"), ("kvbridge", "kvbridge"), ("stock", "kvbridge"),
+            ("kvbridge", "stock")]
+
+
+@pytest.fixture(scope="module", params=["llama", "hybrid"])
+def engines(request: pytest.FixtureRequest, vllm_py: str, engine_logs: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The five engines of one model; kvbridge engines run as ``kv_both`` on the hybrid
+    model (the README's one-flag configuration) and as producer/consumer on the Llama."""
+    kind = request.param
+    model = write_model(tmp_path_factory.mktemp(kind) / "model", kind=kind, seed=3)
+    kvb_p, kvb_d = ("kv_both", "kv_both") if kind == "hybrid" else ("kv_producer",
+                                                                    "kv_consumer")
+
+    def engine(name: str, connector: str, role: str) -> EngineProcess:
+        return EngineProcess(model, engine_logs, connector=connector, kv_role=role,
+                             engine_id=f"{kind}-{name}", name=f"{kind}-{name}",
+                             load_failure_policy="fail")
+
+    made = {
+        "ref": engine("ref", "none", "kv_both"),
+        ("prefill", "stock"): engine("p-stock", "stock", "kv_producer"),
+        ("prefill", "kvbridge"): engine("p-kvb", "kvbridge", kvb_p),
+        ("decode", "stock"): engine("d-stock", "stock", "kv_consumer"),
+        ("decode", "kvbridge"): engine("d-kvb", "kvbridge", kvb_d),
+    }
+    try:
+        start_engines(*made.values())
+        yield {"kind": kind, **made}
+    finally:
+        for e in made.values():
+            e.stop()
+
+
+def prompts_for(seed: int) -> list[list[int]]:
+    """Shorter than a block, many blocks, and a third sharing the second's first 5 blocks."""
+    rng = random.Random(seed)
+    short = [rng.randrange(3, VOCAB) for _ in range(10)]
+    long = [rng.randrange(3, VOCAB) for _ in range(200)]
+    return [short, long, long[:5 * BLOCK] + [rng.randrange(3, VOCAB) for _ in range(45)]]
+
+
+def block_digests(engine: EngineProcess, ids: list[list[int]]) -> dict[str, str]:
+    return engine.call({"cmd": "kv_blocks", "block_ids": ids})["sha256"]
+
+
+def aligned_full_blocks(local: list[list[int]], remote: list[list[int]]
+                        ) -> tuple[list[list[int]], list[list[int]]]:  # fmt: skip
+    """Per group: the decode's blocks paired with the prefill's (the decode's are the last
+    ones of the prompt), without the last, partial block the decode writes into itself."""
+    pairs = [(loc[:-1], rem[len(rem) - len(loc):][:-1]) for loc, rem in zip(local, remote,
+                                                                            strict=True)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+@pytest.mark.parametrize("pairing", PAIRINGS, ids=["->".join(p) for p in PAIRINGS])
+def test_pd_tokens_and_bytes_equal_one_engine(engines: dict[str, Any],
+                                              pairing: tuple[str, str]) -> None:
+    p_kind, d_kind = pairing
+    prefill, decode = engines[("prefill", p_kind)], engines[("decode", d_kind)]
+    seed = 1000 * PAIRINGS.index(pairing) + (7 if engines["kind"] == "hybrid" else 0)
+    short, long, shared = prompts_for(seed)
+    reference = [o["token_ids"] for o in engines["ref"].generate([short, long, shared],
+                                                                 MAX_TOKENS)]
+    decode.call({"cmd": "transfers"})   # forget earlier pairings' records
+
+    # The shared-prefix prompt goes after the long one, so the decode holds its prefix.
+    first = pd_generate(prefill, decode, [short, long], MAX_TOKENS)
+    loads = decode.call({"cmd": "transfers"})["transfers"]
+    for remote in [r for r in loads if not r["failed"]]:
+        local_ids, remote_ids = aligned_full_blocks(remote["local_block_ids"],
+                                                    remote["remote_block_ids"])
+        if any(local_ids):
+            assert block_digests(decode, local_ids) == block_digests(prefill, remote_ids), (
+                f"{pairing}: received KV differs from the prefill's blocks", remote)
+    second = pd_generate(prefill, decode, [shared], MAX_TOKENS)
+    loads += decode.call({"cmd": "transfers"})["transfers"]
+
+    got = [o.token_ids for o in (*first, *second)]
+    assert got == reference, (f"{engines['kind']} {pairing}: P/D tokens differ from one "
+                              f"engine's\n{decode.log_tail()}")
+    assert not [r for r in loads if r["failed"]], loads
+    # Many-block prompts were pulled, not recomputed: some receive covered full blocks.
+    assert any(sum(len(g) for g in r["local_block_ids"]) >= 200 // BLOCK for r in loads), loads
+    if engines["kind"] == "llama":
+        # The decode kept the long prompt's blocks: the shared prompt pulled only the rest.
+        last = loads[-1]
+        assert 0 < len(last["local_block_ids"][0]) < len(last["remote_block_ids"][0]), last
