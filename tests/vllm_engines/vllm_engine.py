@@ -156,12 +156,45 @@ def model_config(kind: str) -> dict[str, Any]:
     return config
 
 
+#: A DeepSeek-V2-style MLA model, as small as vLLM's CPU MLA kernel allows: its latent cache
+#: must be kv_lora_rank 512 + rope 64 = 576 wide (cpu_mla.py), and it runs block size 16.
+MLA_CONFIG: dict[str, Any] = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+    "moe_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 4,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 2, "q_lora_rank": None,
+    "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu",
+}
+
+
+def write_mla_model(out: Path, seed: int, std: float) -> dict[str, Any]:
+    """The MLA model through transformers' own DeepseekV2 class (its parameter names are the
+    checkpoint names vLLM loads), every weight re-drawn from a seeded generator."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    model = DeepseekV2ForCausalLM(DeepseekV2Config(**MLA_CONFIG))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
+            param.copy_(noise + 1.0 if "norm" in name else noise)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return dict(MLA_CONFIG)
+
+
 def write_model(out: Path, kind: str, seed: int, std: float = 0.08) -> dict[str, Any]:
     """Write config.json and seeded random float32 weights (no tokenizer).
 
     Random weights, not vLLM's dummy loader: with dummy weights the greedy tokens depend only
     on the last prompt token, so a transfer that delivered wrong KV would still "match".
     """
+    if kind == "mla":
+        return write_mla_model(out, seed, std)
     import torch
     from safetensors.torch import save_file
 
@@ -267,7 +300,9 @@ class Engine:
         """Receives that ended since the last call (see :class:`TransferRecorder`)."""
         if self.recorder is None:
             raise RuntimeError("no KV connector in this engine (started with --connector none)")
-        return {"ok": True, "transfers": self.recorder.take()}
+        return {"ok": True, "transfers": self.recorder.take(),
+                "connector_seconds": {k: {"seconds": v[0], "calls": v[1]}
+                                      for k, v in self.recorder.spent.items()}}
 
     def connector_state(self, _cmd: dict[str, Any]) -> dict[str, Any]:
         """kvbridge only: the remote engines its agent has loaded (preflighted or not)."""
@@ -431,7 +466,17 @@ class TransferRecorder:
         self._now = time.perf_counter
         self._open: dict[str, dict[str, Any]] = {}
         self._done: list[dict[str, Any]] = []
+        #: seconds the engine thread spent inside the connector, and calls, per method
+        self.spent: dict[str, list[float]] = {"start_load_kv": [0.0, 0],
+                                              "get_transfer_results": [0.0, 0]}
         start_load, results = connector.start_load_kv, connector.get_transfer_results
+        #: ``KVB_PROFILE_CONNECTOR=FILE``: cProfile the connector calls, stats dumped at exit
+        self.profile_path = os.environ.get("KVB_PROFILE_CONNECTOR")
+        self.profile: Any = None
+        if self.profile_path:
+            import cProfile
+
+            self.profile = cProfile.Profile()
 
         def start_load_kv(forward_context: Any, **kwargs: Any) -> Any:
             meta = getattr(connector, "_connector_metadata", None)
@@ -442,10 +487,24 @@ class TransferRecorder:
                         "local_block_ids": [list(map(int, g)) for g in req.local_block_ids],
                         "remote_block_ids": [list(map(int, g)) for g in req.remote.block_ids],
                         "remote_engine_id": req.remote.engine_id}
-            return start_load(forward_context, **kwargs)
+            t0 = self._now()
+            if self.profile is not None:
+                self.profile.enable()
+            try:
+                return start_load(forward_context, **kwargs)
+            finally:
+                if self.profile is not None:
+                    self.profile.disable()
+                self._spend("start_load_kv", t0)
 
         def get_transfer_results(finished_req_ids: Any) -> Any:
+            t0 = self._now()
+            if self.profile is not None:
+                self.profile.enable()
             out = results(finished_req_ids)
+            if self.profile is not None:
+                self.profile.disable()
+            self._spend("get_transfer_results", t0)
             now = self._now()
             for req_id in out.finished_recving:
                 rec = self._open.pop(req_id, None)
@@ -458,9 +517,18 @@ class TransferRecorder:
         connector.start_load_kv = start_load_kv
         connector.get_transfer_results = get_transfer_results
 
+    def _spend(self, method: str, since: float) -> None:
+        acc = self.spent[method]
+        acc[0] += self._now() - since
+        acc[1] += 1
+
     def take(self) -> list[dict[str, Any]]:
         out, self._done = self._done, []
         return out
+
+    def dump_profile(self) -> None:
+        if self.profile is not None and self.profile_path:
+            self.profile.dump_stats(self.profile_path)
 
 
 class _RunnerCaches:
@@ -491,6 +559,8 @@ def serve(args: argparse.Namespace) -> int:
             cmd = json.loads(line)
             name = cmd.get("cmd")
             if name == "exit":
+                if engine.recorder is not None:
+                    engine.recorder.dump_profile()
                 _reply(proto, {"ok": True})
                 break
             if name not in handlers:
@@ -528,7 +598,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sub = p.add_subparsers(dest="command", required=True)
     w = sub.add_parser("write-model", help="write a tiny random-weight model directory")
     w.add_argument("dir", type=Path)
-    w.add_argument("--kind", choices=["llama", "hybrid"], default="llama")
+    w.add_argument("--kind", choices=["llama", "hybrid", "mla"], default="llama")
     w.add_argument("--seed", type=int, default=0)
     s = sub.add_parser("serve", help="run one engine behind the JSON-lines protocol")
     s.add_argument("--model", type=Path, required=True)

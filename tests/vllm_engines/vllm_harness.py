@@ -99,6 +99,7 @@ class EngineProcess:
         load_failure_policy: str = "fail",
         block_size: int = 32,
         num_blocks: int = 128,
+        max_model_len: int = 1024,
         extra_config: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         port: int | None = None,
@@ -113,6 +114,7 @@ class EngineProcess:
             "--side-channel-port", str(self.port),
             "--load-failure-policy", load_failure_policy,
             "--block-size", str(block_size), "--num-blocks", str(num_blocks),
+            "--max-model-len", str(max_model_len),
             "--extra-config", json.dumps(extra_config or {}),
         ]
         self.env = {**os.environ, **(env or {})}

@@ -58,6 +58,7 @@ class _Request:
     inflight: list[XferHandle] = field(default_factory=list)
     held: list[XferHandle] = field(default_factory=list)
     notifs: list[tuple[str, bytes]] = field(default_factory=list)
+    attached: list[str] = field(default_factory=list)   # peers notified by a part itself
     failure: TransferFailure | None = None
     nbytes: int = 0
     parts: int = 0
@@ -102,7 +103,11 @@ class Transfers:
 
     def post(self, req: _Request, x: XferHandle, notif: bytes = b"") -> None:
         """Post one part. Raises NixlCallError (the caller fails the request); the handle is
-        tracked first so a failure still releases it."""
+        tracked first so a failure still releases it. ``notif`` rides on this part: NIXL
+        delivers it to the part's peer only once the part completed (a request of exactly
+        one part needs no deferred notification)."""
+        if notif:
+            req.attached.append(x.peer)
         req.inflight.append(x)
         req.parts += 1
         req.descs += x.num_descs
@@ -206,7 +211,7 @@ class Transfers:
                           req.failure.message)
                 return req.failure
         return TransferDone(req.request_id, req.nbytes, req.parts, req.descs,
-                            tuple(sent), failures, zeroed)
+                            (*req.attached, *sent), failures, zeroed)
 
     def _pop(self, req: _Request) -> None:
         self._reqs.pop(req.request_id, None)

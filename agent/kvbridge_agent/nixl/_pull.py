@@ -193,6 +193,9 @@ class PullEngine(TransferEngine):
             parts = geo.partition_by_mem_type(ids.local_ids, ids.remote_ids,
                                               llists.index, peer.index)
             planned.append((peer, llists, rlists, parts))
+        # One READ in all: the notification rides on it, as vLLM sends it (NIXL delivers it
+        # only after the READ completed). Several parts: deferred until every part is done.
+        single = len(planned) == 1 and len(planned[0][3]) == 1 and not notify_only
         for peer, llists, rlists, parts in planned:
             for part in parts:
                 x = make_part(
@@ -202,8 +205,10 @@ class PullEngine(TransferEngine):
                     coalesce=self.coalesce,
                     label=f"{req.request_id} {part.local_mem_type}<-{part.remote_mem_type}"
                           f"@{peer.agent_name}")
-                self._transfers.post(tracked, x)   # a raise stops all later parts
-            self._transfers.defer_notif(tracked, peer.agent_name, message)
+                # a raise stops all later parts
+                self._transfers.post(tracked, x, message if single else b"")
+            if not single:
+                self._transfers.defer_notif(tracked, peer.agent_name, message)
         for peer in notify_only:
             self._transfers.defer_notif(tracked, peer.agent_name, message)
 

@@ -144,9 +144,10 @@ class AgentService:
                     dp_index=e.dp_index if s.side_channel_port else 0)
                 self.server.start()
             self._client = SideChannelClient()
-            self._thread = threading.Thread(
-                target=self._progress_loop, name=f"kvbridge-progress-{e.tp_rank}", daemon=True)
-            self._thread.start()
+            if s.progress_thread:
+                self._thread = threading.Thread(target=self._progress_loop, daemon=True,
+                                                name=f"kvbridge-progress-{e.tp_rank}")
+                self._thread.start()
         except BaseException:
             self.close()
             raise
@@ -454,13 +455,15 @@ class AgentService:
                 remote_request_id=remote_request_id, timeout_s=timeout,
                 num_computed_blocks=num_computed_blocks, remote_num_tokens=remote_num_tokens))
 
-    def take_pull_results(self) -> list[TransferResult]:
-        """Pulls started by :meth:`start_pull` that finished or failed since the last call."""
+    def take_pull_results(self, *, poll: bool = True) -> list[TransferResult]:
+        """Pulls started by :meth:`start_pull` that finished or failed since the last call
+        (``poll=False``: right after :meth:`progress`, without polling again)."""
         from ..nixl import TransferFailure
 
         out = []
         with self._lock:
-            self._poll_locked()
+            if poll:
+                self._poll_locked()
             for rid in [r for r in self._async if r in self._results]:
                 self._async.discard(rid)
                 res = self._results.pop(rid)
@@ -662,13 +665,14 @@ class AgentService:
             self._released[request_id] = reason
             self._cond.notify_all()
 
-    def completions(self) -> dict[str, list[str]]:
+    def completions(self, *, poll: bool = True) -> dict[str, list[str]]:
         """The waiting side (prefill in pull mode, decode in push mode): requests completed
-        or expired since the last call."""
+        or expired since the last call (``poll=False``: right after :meth:`progress`)."""
         with self._lock:
             if self.tracker is None:
                 return {"finished": [], "expired": []}
-            self._poll_locked()
+            if poll:
+                self._poll_locked()
             finished = sorted(self.tracker.take_finished())
             expired = sorted(self.tracker.take_expired())
             for rid in (*finished, *expired):
@@ -677,6 +681,12 @@ class AgentService:
             return {"finished": finished, "expired": expired}
 
     # -- progress ----------------------------------------------------------------------------
+    def progress(self) -> None:
+        """Advance transfers, notifications and leases once (what the progress thread does;
+        a host engine without it calls this every step)."""
+        with self._lock:
+            self._poll_locked()
+
     def _poll_locked(self) -> None:
         if self.agent is None:
             return

@@ -86,6 +86,10 @@ class AgentSettings:
             then the port that engine serves on, published as is (plus ``dp_index``).
         producer_too: in pull mode, a decode agent also holds blocks for remote readers
             and counts their completion notifications (vLLM's ``kv_both`` role).
+        progress_thread: poll transfers and notifications on a thread of our own. ``False``
+            when the host engine drives :meth:`AgentService.progress` every step (vLLM's
+            model runner does): a second thread would only contend for the lock and the GIL
+            on the engine's hot path.
     """
 
     side_channel_host: str = "127.0.0.1"
@@ -99,6 +103,7 @@ class AgentSettings:
     enforce_hash: bool = True
     serve_side_channel: bool = True
     producer_too: bool = False
+    progress_thread: bool = True
 
 
 @dataclass(frozen=True)

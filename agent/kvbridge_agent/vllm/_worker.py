@@ -133,7 +133,7 @@ class KVBridgeWorker:
             advertise_host=env.get("POD_IP") or host,
             handshake_timeout_s=self.handshake_timeout_s,
             transfer_timeout_s=self.transfer_timeout_s, enforce_hash=self.enforce_hash,
-            serve_side_channel=False,
+            serve_side_channel=False, progress_thread=False,
             producer_too=f.kv_role == "kv_both" and self.role == "decode")
         info = EngineInfo(
             f.engine_id, self.role, tp_rank=f.tp_rank, tp_size=f.tp_size, dp_index=f.dp_index,
@@ -300,11 +300,12 @@ class KVBridgeWorker:
     def get_transfer_results(self) -> KVConnectorTransferResults:
         svc = self._svc()
         self._drain_handshakes()
-        done = svc.completions()
+        svc.progress()    # once per engine step: vLLM's model runner drives the agent
+        done = svc.completions(poll=False)
         sending = set(done["finished"]) | set(done["expired"])
         self._held.difference_update(sending)
         recving: set[str] = set()
-        for res in svc.take_pull_results():
+        for res in svc.take_pull_results(poll=False):
             if res.ok:
                 if self._recving.pop(res.request_id, None) is not None:
                     recving.add(res.request_id)
