@@ -154,15 +154,14 @@ def partition_by_mem_type(
         return []
     _check_range(loc, local_index, "local")
     _check_range(rem, remote_index, "remote")
+    n_remote = len(remote_index.mem_types)
+    if len(local_index.mem_types) == 1 and n_remote == 1:
+        # One type per side: a descriptor's position in its type's dlist is its id.
+        return [TransferPart(local_index.mem_types[0], remote_index.mem_types[0], loc, rem)]
     lt = local_index.desc_type[loc]
     rt = remote_index.desc_type[rem]
     lpos = local_index.desc_pos[loc]
     rpos = remote_index.desc_pos[rem]
-    n_remote = len(remote_index.mem_types)
-    if len(local_index.mem_types) == 1 and n_remote == 1:
-        return [
-            TransferPart(local_index.mem_types[0], remote_index.mem_types[0], lpos, rpos)
-        ]
     pair = lt.astype(np.int64) * n_remote + rt
     parts = []
     for code in np.unique(pair).tolist():

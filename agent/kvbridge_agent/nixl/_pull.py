@@ -6,7 +6,9 @@ region-mapped path, expand ppl, align prefixes, compute descriptor ids
 ``geometry.partition_by_mem_type``; post one READ per part **without** a notification; queue
 ``"{remote_request_id}:{consumers}"`` for each notified rank. :meth:`poll` /
 :meth:`wait` drive the parts; the notifications go out only once every part of the request
-is DONE (spec §4.6-§4.7). A full prefix hit only notifies.
+is DONE (spec §4.6-§4.7). A request of exactly one READ (one source rank, one memory type
+per side) carries its notification on that READ instead, as vLLM's single-type path does:
+NIXL delivers it only after the READ completed. A full prefix hit only notifies.
 
 Zeroing (spec §4.9, invariant §6.3.8): when the read leaves some of the request's local
 descriptors unread (k > 1 tail sub-blocks, kernel blocks clipped by ppl rounding, positional
@@ -117,6 +119,7 @@ class PullEngine(TransferEngine):
         self.heartbeats = HeartbeatSender(self.agent.send_notif, lease_s=lease_s, clock=clock)
         self._notif_ids: dict[str, str] = {}
         self._read_geo: dict[tuple[int, geo.TPMapping], tuple[np.ndarray, np.ndarray]] = {}
+        self._mappings: dict[int, geo.TPMapping] = {}
 
     # -- peers ---------------------------------------------------------------------------
     def add_remote(self, desc: RemoteEngine) -> str:
@@ -154,9 +157,7 @@ class PullEngine(TransferEngine):
         self._notif_ids[req.request_id] = req.notif_id
         local = self.local
         any_peer = self.peers.any_rank(req.remote_engine_id)
-        mapping = geo.compute_tp_mapping(
-            local.facts.tp_rank, local.facts.tp_size, any_peer.desc.tp_size,
-            is_mla=local.pure_mla)
+        mapping = self._tp_mapping(any_peer.desc.tp_size)
         sources = [self.peers.get(req.remote_engine_id, r) for r in mapping.source_ranks]
         notify_only = [self.peers.get(req.remote_engine_id, r) for r in mapping.notify_ranks]
         message = completion_message(req.notif_id, mapping.local_consumers)
@@ -211,6 +212,15 @@ class PullEngine(TransferEngine):
                 self._transfers.defer_notif(tracked, peer.agent_name, message)
         for peer in notify_only:
             self._transfers.defer_notif(tracked, peer.agent_name, message)
+
+    def _tp_mapping(self, remote_tp: int) -> geo.TPMapping:
+        """How this rank reads a remote engine of ``remote_tp`` ranks (pure; cached)."""
+        got = self._mappings.get(remote_tp)
+        if got is None:
+            f = self.local.facts
+            got = self._mappings[remote_tp] = geo.compute_tp_mapping(
+                f.tp_rank, f.tp_size, remote_tp, is_mla=self.local.pure_mla)
+        return got
 
     def _read_geometry(self, k: int, mapping: geo.TPMapping) -> tuple[np.ndarray, np.ndarray]:
         """Per-region read lengths and rank offsets for ratio ``k`` under ``mapping``."""
