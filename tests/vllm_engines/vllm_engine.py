@@ -301,7 +301,7 @@ class Engine:
         if self.recorder is None:
             raise RuntimeError("no KV connector in this engine (started with --connector none)")
         return {"ok": True, "transfers": self.recorder.take(),
-                "connector_seconds": {k: {"seconds": v[0], "calls": v[1]}
+                "connector_seconds": {k: {"seconds": v[0], "calls": v[1], "cpu_seconds": v[2]}
                                       for k, v in self.recorder.spent.items()}}
 
     def connector_state(self, _cmd: dict[str, Any]) -> dict[str, Any]:
@@ -466,9 +466,10 @@ class TransferRecorder:
         self._now = time.perf_counter
         self._open: dict[str, dict[str, Any]] = {}
         self._done: list[dict[str, Any]] = []
-        #: seconds the engine thread spent inside the connector, and calls, per method
-        self.spent: dict[str, list[float]] = {"start_load_kv": [0.0, 0],
-                                              "get_transfer_results": [0.0, 0]}
+        #: per method: wall seconds inside the connector, calls, and the engine thread's CPU
+        #: seconds there (thread_time: not inflated when the machine preempts the engine)
+        self.spent: dict[str, list[float]] = {"start_load_kv": [0.0, 0, 0.0],
+                                              "get_transfer_results": [0.0, 0, 0.0]}
         start_load, results = connector.start_load_kv, connector.get_transfer_results
         #: ``KVB_PROFILE_CONNECTOR=FILE``: cProfile the connector calls, stats dumped at exit
         self.profile_path = os.environ.get("KVB_PROFILE_CONNECTOR")
@@ -480,14 +481,16 @@ class TransferRecorder:
 
         def start_load_kv(forward_context: Any, **kwargs: Any) -> Any:
             meta = getattr(connector, "_connector_metadata", None)
+            new = [r for r in getattr(meta, "reqs_to_recv", {}) if r not in self._open]
             for req_id, req in getattr(meta, "reqs_to_recv", {}).items():
                 if req_id not in self._open and req.remote is not None:
                     self._open[req_id] = {
                         "request_id": req_id, "t_start": self._now(),
+                        "step_start": self.spent["get_transfer_results"][1],
                         "local_block_ids": [list(map(int, g)) for g in req.local_block_ids],
                         "remote_block_ids": [list(map(int, g)) for g in req.remote.block_ids],
                         "remote_engine_id": req.remote.engine_id}
-            t0 = self._now()
+            t0, c0 = self._now(), time.thread_time()
             if self.profile is not None:
                 self.profile.enable()
             try:
@@ -495,21 +498,28 @@ class TransferRecorder:
             finally:
                 if self.profile is not None:
                     self.profile.disable()
-                self._spend("start_load_kv", t0)
+                self._spend("start_load_kv", t0, c0)
+                for req_id in new:   # the connector CPU of the step that started the load
+                    if req_id in self._open:
+                        self._open[req_id]["start_cpu_us"] = (time.thread_time() - c0) * 1e6
 
         def get_transfer_results(finished_req_ids: Any) -> Any:
-            t0 = self._now()
+            t0, c0 = self._now(), time.thread_time()
             if self.profile is not None:
                 self.profile.enable()
             out = results(finished_req_ids)
             if self.profile is not None:
                 self.profile.disable()
-            self._spend("get_transfer_results", t0)
+            self._spend("get_transfer_results", t0, c0)
+            done_cpu_us = (time.thread_time() - c0) * 1e6
             now = self._now()
             for req_id in out.finished_recving:
                 rec = self._open.pop(req_id, None)
                 if rec is not None:
                     rec["seconds"] = now - rec.pop("t_start")
+                    # engine steps (get_transfer_results calls) the load took, this one included
+                    rec["steps"] = self.spent["get_transfer_results"][1] - rec.pop("step_start")
+                    rec["done_cpu_us"] = done_cpu_us
                     rec["failed"] = req_id in out.failed_recving
                     self._done.append(rec)
             return out
@@ -517,10 +527,13 @@ class TransferRecorder:
         connector.start_load_kv = start_load_kv
         connector.get_transfer_results = get_transfer_results
 
-    def _spend(self, method: str, since: float) -> None:
+    def _spend(self, method: str, since: float, cpu_since: float) -> None:
+        import time
+
         acc = self.spent[method]
         acc[0] += self._now() - since
         acc[1] += 1
+        acc[2] += time.thread_time() - cpu_since
 
     def take(self) -> list[dict[str, Any]]:
         out, self._done = self._done, []
