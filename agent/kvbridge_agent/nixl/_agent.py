@@ -20,7 +20,7 @@ import contextlib
 import enum
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,15 +101,24 @@ class XferHandle:
     released: bool = False
 
 
-@contextlib.contextmanager
-def _nixl_call(what: str, default: FailureCause) -> Iterator[None]:
-    try:
-        yield
-    except DataPlaneError:
-        raise
-    except Exception as exc:
-        cause = classify(exc, default=default)
-        raise NixlCallError(f"{what}: {type(exc).__name__}: {exc}", cause) from exc
+class _nixl_call:
+    """``with _nixl_call(what, cause):`` turns an exception from NIXL into a typed
+    :class:`NixlCallError` (our own errors pass through). A class rather than a
+    ``contextlib`` generator: it wraps every call on a transfer's path."""
+
+    __slots__ = ("default", "what")
+
+    def __init__(self, what: str, default: FailureCause) -> None:
+        self.what, self.default = what, default
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
+        if exc is None or isinstance(exc, DataPlaneError) or not isinstance(exc, Exception):
+            return False
+        cause = classify(exc, default=self.default)
+        raise NixlCallError(f"{self.what}: {type(exc).__name__}: {exc}", cause) from exc
 
 
 class NixlAgent:
@@ -353,7 +362,7 @@ class NixlAgent:
         with _nixl_call(f"release({x.label})", FailureCause.TRANSFER):
             x.handle.release()
         x.released = True
-        with contextlib.suppress(ValueError):
+        if x in self._xfers:
             self._xfers.remove(x)
 
     def telemetry(self, x: XferHandle) -> Any:
