@@ -416,15 +416,11 @@ class AgentService:
         ``expected_epoch`` a peer loaded at another epoch fails with cause ``stale_peer``
         (nothing is posted). Failures never send the completion notification.
         """
-        from ..nixl import PullRequest
-
-        if self.pull_engine is None:
-            raise RuntimeError(f"agent {self.agent_name}: pull needs a decode agent in pull mode")
-        timeout = self.settings.transfer_timeout_s if timeout_s is None else float(timeout_s)
-        return self._transfer(self.pull_engine, PullRequest(
-            request_id=request_id, remote_engine_id=remote_engine_id,
-            local_block_ids=local_block_ids, remote_block_ids=remote_block_ids,
-            remote_request_id=remote_request_id, timeout_s=timeout), expected_epoch, timeout)
+        req = self._pull_request(request_id, remote_engine_id, local_block_ids,
+                                 remote_block_ids, remote_request_id=remote_request_id,
+                                 timeout_s=timeout_s)
+        assert self.pull_engine is not None
+        return self._transfer(self.pull_engine, req, expected_epoch, float(req.timeout_s))
 
     def start_pull(
         self,
@@ -441,41 +437,46 @@ class AgentService:
         """Post the READs of a pull and return at once (an engine's step loop cannot
         block); the outcome comes from :meth:`take_pull_results`, exactly once. Like
         :meth:`pull`, never handshakes, and a failure never notifies the producer."""
+        req = self._pull_request(request_id, remote_engine_id, local_block_ids,
+                                 remote_block_ids, remote_request_id=remote_request_id,
+                                 num_computed_blocks=num_computed_blocks,
+                                 remote_num_tokens=remote_num_tokens, timeout_s=timeout_s)
+        assert self.pull_engine is not None
+        with self._lock:
+            self._async.add(request_id)
+            self._started[request_id] = time.perf_counter()
+            self.pull_engine.start(req)
+
+    def take_pull_results(self) -> list[TransferResult]:
+        """Pulls started by :meth:`start_pull` that ended (finished or failed) as of the last
+        poll (:meth:`progress`, or the progress thread's), each reported once."""
+        out = []
+        with self._lock:
+            for rid in [r for r in self._async if r in self._results]:
+                self._async.discard(rid)
+                seconds = time.perf_counter() - self._started.pop(rid, time.perf_counter())
+                out.append(self._outcome(rid, self._results.pop(rid), seconds))
+        return out
+
+    def _pull_request(
+        self,
+        request_id: str,
+        remote_engine_id: str,
+        local_block_ids: Sequence[Sequence[int]],
+        remote_block_ids: Sequence[Sequence[int]],
+        *,
+        timeout_s: float | None,
+        **optional: Any,
+    ) -> Any:
+        """The engine's ``PullRequest`` (the settings' deadline unless one is given)."""
         from ..nixl import PullRequest
 
         if self.pull_engine is None:
             raise RuntimeError(f"agent {self.agent_name}: pull needs a decode agent in pull mode")
         timeout = self.settings.transfer_timeout_s if timeout_s is None else float(timeout_s)
-        with self._lock:
-            self._async.add(request_id)
-            self._started[request_id] = time.perf_counter()
-            self.pull_engine.start(PullRequest(
-                request_id=request_id, remote_engine_id=remote_engine_id,
-                local_block_ids=local_block_ids, remote_block_ids=remote_block_ids,
-                remote_request_id=remote_request_id, timeout_s=timeout,
-                num_computed_blocks=num_computed_blocks, remote_num_tokens=remote_num_tokens))
-
-    def take_pull_results(self, *, poll: bool = True) -> list[TransferResult]:
-        """Pulls started by :meth:`start_pull` that finished or failed since the last call
-        (``poll=False``: right after :meth:`progress`, without polling again)."""
-        from ..nixl import TransferFailure
-
-        out = []
-        with self._lock:
-            if poll:
-                self._poll_locked()
-            for rid in [r for r in self._async if r in self._results]:
-                self._async.discard(rid)
-                res = self._results.pop(rid)
-                seconds = time.perf_counter() - self._started.pop(rid, time.perf_counter())
-                if isinstance(res, TransferFailure):
-                    out.append(self._failed(rid, res.cause.value, res.message))
-                    continue
-                metrics.TRANSFER_BYTES.inc(res.nbytes)
-                metrics.TRANSFER_DESCS.inc(res.descs)
-                metrics.TRANSFER_SECONDS.observe(seconds)
-                out.append(TransferResult(rid, True, res.nbytes, res.descs, res.parts, seconds))
-        return out
+        return PullRequest(request_id=request_id, remote_engine_id=remote_engine_id,
+                           local_block_ids=local_block_ids, remote_block_ids=remote_block_ids,
+                           timeout_s=timeout, **optional)
 
     def has_remote(self, engine_id: str) -> bool:
         """Whether some rank of ``engine_id`` is loaded (handshaken)."""
@@ -522,7 +523,6 @@ class AgentService:
 
     def _transfer(self, engine: Any, req: Any, expected_epoch: int | None,
                   timeout: float) -> TransferResult:
-        from ..nixl import TransferFailure
 
         request_id, remote_engine_id = req.request_id, req.remote_engine_id
         with self._lock:
@@ -546,6 +546,12 @@ class AgentService:
                 self._cond.wait(timeout=min(left, 0.002))
             res = self._results.pop(request_id)
             seconds = time.perf_counter() - self._started.pop(request_id, started)
+        return self._outcome(request_id, res, seconds)
+
+    def _outcome(self, request_id: str, res: Any, seconds: float) -> TransferResult:
+        """An engine's ``TransferDone`` / ``TransferFailure`` as a counted ``TransferResult``."""
+        from ..nixl import TransferFailure
+
         if isinstance(res, TransferFailure):
             return self._failed(request_id, res.cause.value, res.message)
         metrics.TRANSFER_BYTES.inc(res.nbytes)

@@ -305,7 +305,7 @@ class KVBridgeWorker:
         sending = set(done["finished"]) | set(done["expired"])
         self._held.difference_update(sending)
         recving: set[str] = set()
-        for res in svc.take_pull_results(poll=False):
+        for res in svc.take_pull_results():
             if res.ok:
                 if self._recving.pop(res.request_id, None) is not None:
                     recving.add(res.request_id)
