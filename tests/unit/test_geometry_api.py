@@ -19,7 +19,7 @@ CONTRACT = {
     "handshake_target_ranks", "TPMapping", "compute_tp_mapping",
 }
 ADDED = {"CacheViewError", "DescIdLayout", "SHARED_GROUP_ID", "capacity_offsets",
-         "untransferred_ranges"}
+         "tensor_mem_type", "untransferred_ranges"}
 
 
 def test_all_is_exactly_the_contract_plus_additions() -> None:

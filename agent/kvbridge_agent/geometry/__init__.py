@@ -43,7 +43,7 @@ from ._regions import (
     region_sort_key,
 )
 from ._tp import TPMapping, compute_tp_mapping, handshake_target_ranks, tp_ratio
-from ._views import MEM_TYPES, CacheView
+from ._views import MEM_TYPES, CacheView, tensor_mem_type
 from ._zeroing import untransferred_ranges
 
 __all__ = [
@@ -82,6 +82,7 @@ __all__ = [
     "region_sort_key",
     "remote_descriptor_table",
     "split_table_by_mem_type",
+    "tensor_mem_type",
     "tp_ratio",
     "untransferred_ranges",
 ]

@@ -8,7 +8,7 @@ from typing import Any
 
 from ._errors import CacheViewError
 
-__all__ = ["MEM_TYPES", "CacheView", "block_extent"]
+__all__ = ["MEM_TYPES", "CacheView", "block_extent", "tensor_mem_type"]
 
 #: NIXL memory types a view can live in. Sorted: registration and dlists go DRAM first.
 MEM_TYPES: tuple[str, ...] = ("DRAM", "VRAM")
@@ -17,6 +17,16 @@ MEM_TYPES: tuple[str, ...] = ("DRAM", "VRAM")
 def block_extent(num_blocks: int, block_stride: int, block_len: int) -> int:
     """Bytes from block 0's start to the end of the last block (0 without blocks)."""
     return (num_blocks - 1) * block_stride + block_len if num_blocks else 0
+
+
+def tensor_mem_type(tensor: Any, mem_type: str | None = None) -> tuple[str, int]:
+    """``(memory type, NIXL device id)`` of a tensor-like: ``"DRAM"`` on device 0 for a CPU
+    tensor, else ``"VRAM"`` on its device index; ``mem_type`` overrides the type."""
+    device = getattr(tensor, "device", None)
+    if mem_type is None:
+        mem_type = "DRAM" if getattr(device, "type", "cpu") == "cpu" else "VRAM"
+    index = getattr(device, "index", None)
+    return mem_type, 0 if mem_type == "DRAM" or index is None else max(int(index), 0)
 
 
 def _check_int(name: str, field: str, value: Any, minimum: int) -> None:
@@ -192,12 +202,7 @@ class CacheView:
             ) from exc
         if not shape:
             raise CacheViewError(f"view {name!r}: a 0-d tensor cannot hold KV blocks")
-        device = getattr(tensor, "device", None)
-        dev_type = getattr(device, "type", "cpu")
-        if mem_type is None:
-            mem_type = "DRAM" if dev_type == "cpu" else "VRAM"
-        dev_index = getattr(device, "index", None)
-        device_id = 0 if mem_type == "DRAM" or dev_index is None else max(int(dev_index), 0)
+        mem_type, device_id = tensor_mem_type(tensor, mem_type)
 
         if len(shape) == 1:
             nbytes = shape[0] * esize

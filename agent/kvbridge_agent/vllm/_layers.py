@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..geometry import CacheView
+from ..geometry import CacheView, tensor_mem_type
 
 __all__ = ["LayerCache", "UnsupportedLayoutError", "layer_views"]
 
@@ -48,14 +48,6 @@ class LayerCache:
     host_resident: bool = False
 
 
-def _mem_type(tensor: Any) -> tuple[str, int]:
-    device = getattr(tensor, "device", None)
-    if getattr(device, "type", "cpu") == "cpu":
-        return "DRAM", 0
-    index = getattr(device, "index", None)
-    return "VRAM", max(int(index), 0) if index is not None else 0
-
-
 def _registration(layer: LayerCache) -> tuple[int, int]:
     t = layer.tensor
     if layer.host_resident:
@@ -67,7 +59,7 @@ def _registration(layer: LayerCache) -> tuple[int, int]:
 def layer_view(layer: LayerCache) -> CacheView:
     """The region vLLM registers for one attention layer (spec §2.3 step 6)."""
     t, page, nb = layer.tensor, int(layer.page_bytes), int(layer.num_blocks)
-    mem_type, device_id = _mem_type(t)
+    mem_type, device_id = tensor_mem_type(t)
     reg_base, reg_len = _registration(layer)
     ndim = len(t.shape)
     block_stride = page if ndim == 1 else int(t.stride(0)) * int(t.element_size())
