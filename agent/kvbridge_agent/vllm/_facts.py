@@ -74,8 +74,9 @@ class EngineFacts:
 
     @property
     def role(self) -> str:
-        """The KVEndpoint role (``kv_both`` engines publish as decode unless told)."""
-        return str(self.extra.get("kvbridge_role") or ROLE_BY_KV_ROLE[self.kv_role])
+        """The KVEndpoint role by ``kv_role`` (``kv_both`` publishes as decode; the worker
+        lets ``KVBRIDGE_ROLE`` override it)."""
+        return ROLE_BY_KV_ROLE[self.kv_role]
 
 
 def _layer_specs(kv_cache_config: Any) -> dict[str, Any]:
