@@ -56,6 +56,7 @@ class Binaries:
     kube_controller_manager: Path
     kubectl: Path
     helm: Path
+    kube_scheduler: Path | None = None
 
     @classmethod
     def find(cls) -> Binaries:
@@ -75,7 +76,8 @@ class Binaries:
             raise StackMissingError(
                 f"test stack binaries missing ({', '.join(missing)}): {ENSURE_HINT}"
             )
-        return cls(**paths)
+        scheduler = Path(os.environ.get("KVB_KUBE_SCHEDULER") or kube / "kube-scheduler")
+        return cls(**paths, kube_scheduler=scheduler if os.access(scheduler, os.X_OK) else None)
 
 
 def free_port() -> int:
@@ -100,6 +102,13 @@ class LocalCluster:
     controllers: str = (
         "garbagecollector,namespace,serviceaccount,serviceaccount-token,deployment,replicaset"
     )
+    #: Address the apiserver binds and advertises; a real node needs one its pods can reach.
+    address: str = "127.0.0.1"
+    #: Serve real kubelets (hack/kvbridge_node.py): kube-scheduler, the ServiceAccount admission
+    #: plugin with pod-bound projected tokens, the ``kubernetes`` Service's endpoints, and the
+    #: endpoint and root-CA controllers. Off, pods are played by ``FakeKubelet``.
+    real_nodes: bool = False
+    service_cidr: str = "10.0.0.0/24"
     binaries: Binaries = field(default_factory=Binaries.find)
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list, repr=False)
@@ -111,7 +120,7 @@ class LocalCluster:
             self._owns_workdir = True
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        self.server = f"https://127.0.0.1:{self.port}"
+        self.server = f"https://{self.address}:{self.port}"
         self.kubeconfig = self.workdir / "admin.kubeconfig"
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -152,21 +161,29 @@ class LocalCluster:
         sa_key, sa_pub = wd / "sa.key", wd / "sa.pub"
         _run(["openssl", "genrsa", "-out", str(sa_key), "2048"])
         _run(["openssl", "rsa", "-in", str(sa_key), "-pubout", "-out", str(sa_pub)])
+        if self.real_nodes:
+            node_flags = ["--endpoint-reconciler-type=lease",
+                          "--feature-gates=BoundServiceAccountTokenVolume=true",
+                          # logs/exec reach kubelets by address: no name lookups
+                          "--kubelet-preferred-address-types=InternalIP"]
+        else:
+            node_flags = ["--endpoint-reconciler-type=none",
+                          "--disable-admission-plugins=ServiceAccount"]
         self._spawn(
             "kube-apiserver",
             [
                 str(self.binaries.kube_apiserver),
                 f"--etcd-servers=http://127.0.0.1:{etcd_client}",
-                "--bind-address=127.0.0.1", f"--secure-port={self.port}", "--insecure-port=0",
-                "--advertise-address=127.0.0.1", "--endpoint-reconciler-type=none",
+                f"--bind-address={self.address}", f"--secure-port={self.port}",
+                "--insecure-port=0", f"--advertise-address={self.address}",
                 f"--cert-dir={wd / 'pki'}", f"--token-auth-file={wd / 'tokens.csv'}",
                 "--authorization-mode=RBAC",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-account-key-file={sa_pub}",
                 f"--service-account-signing-key-file={sa_key}",
                 "--api-audiences=https://kubernetes.default.svc.cluster.local",
-                "--service-cluster-ip-range=10.0.0.0/24",
-                "--disable-admission-plugins=ServiceAccount",
+                f"--service-cluster-ip-range={self.service_cidr}",
+                *node_flags,
                 "--enable-priority-and-fairness=false", "--allow-privileged=true",
                 "--profiling=false", "-v=0",
             ],
@@ -174,11 +191,25 @@ class LocalCluster:
         )  # fmt: skip
         self._wait_ready(time.monotonic() + timeout)
         self._write_kubeconfig(self.kubeconfig, self.token, user="admin")
+        controllers = self.controllers
+        gates: list[str] = []
+        if self.real_nodes:
+            controllers += ",endpoint,endpointslice,root-ca-cert-publisher,podgc,nodelifecycle"
+            gates = ["--feature-gates=BoundServiceAccountTokenVolume=true"]
+            scheduler = self.binaries.kube_scheduler
+            if scheduler is None:
+                raise StackMissingError(f"kube-scheduler missing: {ENSURE_HINT}")
+            self._spawn(
+                "kube-scheduler",
+                [str(scheduler), f"--kubeconfig={self.kubeconfig}", "--leader-elect=false",
+                 "--port=0", "--secure-port=0", "--profiling=false", "-v=0"],
+                logs,
+            )  # fmt: skip
         self._spawn(
             "kube-controller-manager",
             [
-                str(self.binaries.kube_controller_manager),
-                f"--kubeconfig={self.kubeconfig}", f"--controllers={self.controllers}",
+                str(self.binaries.kube_controller_manager), *gates,
+                f"--kubeconfig={self.kubeconfig}", f"--controllers={controllers}",
                 f"--service-account-private-key-file={sa_key}",
                 f"--root-ca-file={wd / 'pki' / 'apiserver.crt'}",
                 "--leader-elect=false", "--port=0", "--secure-port=0",
@@ -223,10 +254,10 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Terminate the children in reverse start order (idempotent) and remove temp data."""
+        # One at a time: an apiserver shutting down still writes to etcd (its endpoint lease).
         for p in reversed(self._procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for p in reversed(self._procs):
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:

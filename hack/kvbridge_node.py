@@ -1,0 +1,566 @@
+"""One real Kubernetes node on this machine: containerd, kubelet and kube-proxy v1.20.2.
+
+The node lives in a network namespace of its own, joined to the host by one veth pair, so
+everything it changes in the network stack (the CNI bridge and pod veths, kube-proxy's and the
+kubelet's iptables chains, ``ip_forward``, ``route_localnet``) exists only there and goes away
+with the namespace. The host gains two routes (pod and Service ranges via the node) and keeps
+its sysctls: the kubelet is built not to rewrite kernel tunables (hack/test-stack.sh) and
+kube-proxy is told not to touch conntrack limits. Only loopback-like addresses on this machine
+are used: pods, Services and the link live in ranges that exist nowhere else.
+
+The control plane is ``kvbridge_cluster.LocalCluster(real_nodes=True, address=HOST_IP)``: the
+apiserver listens on the host end of the link, which pods reach through the node's default
+route, and it reaches webhooks through Service IPs routed into the node, where kube-proxy
+translates them (with ``--masquerade-all``, so replies return through the node without the
+host's ``br_netfilter``).
+
+Usage (the link comes first: the apiserver binds its host end)::
+
+    node = RealNode(images=[...]).link_up()
+    try:
+        with LocalCluster(real_nodes=True, address=HOST_IP, service_cidr=SERVICE_CIDR) as c:
+            node.start(c)
+            ...  # pods scheduled onto node.name run as real containers
+            node.stop()
+    finally:
+        node.stop()  # idempotent; also removes the link if the cluster never came up
+
+``RealNode.stop`` deletes every pod first (so the kubelet tears sandboxes down through CNI),
+stops the daemons, then removes what is left: shims, mounts, cgroups, network namespaces,
+the link and the routes. ``leftovers()`` reports anything that survived; tests assert on it.
+
+Binaries: kubelet and kube-proxy from ``hack/test-stack.sh ensure``; containerd, runc, CNI
+plugins and ``ctr`` from Debian (installed by the same script).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvbridge_cluster import CACHE, ENSURE_HINT, KUBE_VERSION, LocalCluster, StackMissingError
+
+log = logging.getLogger("kvbridge.node")
+
+#: The link between host and node; the apiserver binds HOST_IP.
+HOST_IP, NODE_IP, LINK_PREFIX = "10.87.0.1", "10.87.0.2", 30
+POD_CIDR = "10.88.0.0/16"
+SERVICE_CIDR = "10.0.0.0/24"
+NODE_NAME = "kvb-node"
+NETNS = "kvb-node"
+HOST_VETH, NODE_VETH = "kvbh0", "kvbn0"
+BRIDGE = "kvb0"
+RUN_DIR = Path("/run/kvb-node")  # short: unix socket paths are limited to 108 bytes
+PAUSE_IMAGE = "registry.k8s.io/pause:3.6"
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+POD_LOGS = Path("/var/log/pods")
+CONTAINER_LOGS = Path("/var/log/containers")
+
+
+IMAGES_SCRIPT = Path(__file__).resolve().parent / "node-images.sh"
+
+
+class ImagesMissingError(RuntimeError):
+    """The image archives are not built (or stale); the message says how to build them."""
+
+
+def node_images(build: bool = False) -> dict[str, str]:
+    """``KVB_IMAGE_*`` of hack/node-images.sh: archive paths and image names. Missing or stale
+    archives are built when ``build`` (about 3 minutes the first time), else an error."""
+    check = subprocess.run(["bash", str(IMAGES_SCRIPT), "check"], capture_output=True,
+                           text=True)  # fmt: skip
+    if check.returncode != 0:
+        if not build:
+            raise ImagesMissingError(
+                f"node images missing or stale: run `bash {IMAGES_SCRIPT} ensure` (about 3 "
+                f"minutes the first time, then cached). {check.stderr.strip()}"
+            )
+        subprocess.run(["bash", str(IMAGES_SCRIPT), "ensure"], check=True)
+    out = subprocess.run(["bash", str(IMAGES_SCRIPT), "paths"], capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    return dict(line.split("=", 1) for line in out.split() if "=" in line)
+
+
+def image_archives(images: dict[str, str]) -> list[Path]:
+    """The archives a node imports: the sandbox image first, then the operator and agent."""
+    return [Path(images[k]) for k in ("KVB_IMAGE_PAUSE_TAR", "KVB_IMAGE_OPERATOR_TAR",
+                                      "KVB_IMAGE_AGENT_TAR")]  # fmt: skip
+
+
+class NodeError(RuntimeError):
+    """The node could not be started or torn down; the message names the step and its log."""
+
+
+@dataclass(frozen=True)
+class NodeBinaries:
+    kubelet: Path
+    kube_proxy: Path
+    containerd: Path
+    ctr: Path
+    runc: Path
+    cni_dir: Path
+
+    @classmethod
+    def find(cls) -> NodeBinaries:
+        kube = CACHE / f"kube-{KUBE_VERSION}"
+        paths = {
+            "kubelet": Path(os.environ.get("KVB_KUBELET") or kube / "kubelet"),
+            "kube_proxy": Path(os.environ.get("KVB_KUBE_PROXY") or kube / "kube-proxy"),
+            "containerd": Path(shutil.which("containerd") or "/usr/bin/containerd"),
+            "ctr": Path(shutil.which("ctr") or "/usr/bin/ctr"),
+            "runc": Path(shutil.which("runc") or "/usr/sbin/runc"),
+            "cni_dir": Path("/usr/lib/cni"),
+        }
+        missing = [f"{k}={p}" for k, p in paths.items() if not p.exists()]
+        if not (paths["cni_dir"] / "bridge").exists():
+            missing.append(f"cni bridge plugin in {paths['cni_dir']}")
+        if missing:
+            raise StackMissingError(f"node binaries missing ({', '.join(missing)}): {ENSURE_HINT}")
+        return cls(**paths)
+
+
+def _sh(*cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(cmd), capture_output=True, text=True, check=check, timeout=timeout)
+
+
+def _in_node(*cmd: str) -> list[str]:
+    """``cmd`` run in the node's network namespace only (``ip netns exec`` would also remount
+    /sys, hiding the cgroup hierarchies the kubelet and runc need)."""
+    return ["nsenter", f"--net=/run/netns/{NETNS}", "--", *cmd]
+
+
+def host_rules() -> list[str]:
+    """The host's iptables rules and chains (comments and counters dropped): the node's live in
+    its own network namespace, so these must not change."""
+    out = _sh("iptables-save").stdout.splitlines()
+    return [line.split(" [", 1)[0] for line in out if not line.startswith("#")]
+
+
+#: Host settings a kubelet or kube-proxy would rewrite by default; the node must leave them be.
+WATCHED_SYSCTLS = ("kernel/panic", "kernel/panic_on_oops", "vm/overcommit_memory",
+                   "vm/panic_on_oom", "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes",
+                   "net/ipv4/ip_forward", "net/ipv4/conf/all/route_localnet",
+                   "net/netfilter/nf_conntrack_max")  # fmt: skip
+
+
+def host_sysctls() -> dict[str, str]:
+    out = {}
+    for name in WATCHED_SYSCTLS:
+        with contextlib.suppress(OSError):
+            out[name] = (Path("/proc/sys") / name).read_text().strip()
+    return out
+
+
+def containerd_config(root: Path, state: Path, socket: Path, cni_conf: Path, cni_bin: Path) -> str:
+    """containerd 1.6 settings found by failures on these machines (shared/notes/real-node.md):
+    no negative oom_score_adj, no hugetlb controller, cgroupfs (no systemd)."""
+    cri = 'plugins."io.containerd.grpc.v1.cri"'
+    return f"""version = 2
+root = "{root}"
+state = "{state}"
+[grpc]
+  address = "{socket}"
+[ttrpc]
+  address = "{socket}.ttrpc"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{root}/opt"
+[{cri}]
+  sandbox_image = "{PAUSE_IMAGE}"
+  restrict_oom_score_adj = true
+  tolerate_missing_hugetlb_controller = true
+  disable_apparmor = true
+  [{cri}.containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [{cri}.containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [{cri}.containerd.runtimes.runc.options]
+        SystemdCgroup = false
+  [{cri}.cni]
+    bin_dir = "{cni_bin}"
+    conf_dir = "{cni_conf}"
+"""
+
+
+def cni_config(ipam_dir: Path) -> dict[str, Any]:
+    """A bridge network with host-local addresses; no masquerade: nothing leaves the machine."""
+    return {
+        "cniVersion": "0.4.0",
+        "name": "kvbridge",
+        "plugins": [
+            {
+                "type": "bridge", "bridge": BRIDGE, "isGateway": True, "ipMasq": False,
+                "hairpinMode": True,
+                "ipam": {"type": "host-local", "dataDir": str(ipam_dir),
+                         "ranges": [[{"subnet": POD_CIDR}]], "routes": [{"dst": "0.0.0.0/0"}]},
+            },
+        ],
+    }  # fmt: skip
+
+
+@dataclass
+class RealNode:
+    """A kubelet node registered with ``cluster``; see the module docstring."""
+
+    images: list[Path] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)
+    binaries: NodeBinaries = field(default_factory=NodeBinaries.find)
+    workdir: Path | None = None
+    name: str = NODE_NAME
+    _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
+    _pod_logs_before: set[str] = field(default_factory=set, repr=False)
+    _netns_before: set[str] = field(default_factory=set, repr=False)
+    _host_rules_before: list[str] = field(default_factory=list, repr=False)
+    _sysctls_before: dict[str, str] = field(default_factory=dict, repr=False)
+
+    cluster: LocalCluster | None = field(default=None, repr=False)
+    service_cidr: str = SERVICE_CIDR
+
+    def __post_init__(self) -> None:
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="kvb-node-", dir="/var/tmp"))
+        self.socket = RUN_DIR / "containerd.sock"
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def link_up(self) -> RealNode:
+        """The node's network namespace and its link to the host (before the apiserver starts:
+        it binds HOST_IP)."""
+        if Path(f"/run/netns/{NETNS}").exists():
+            raise NodeError(f"network namespace {NETNS} exists: another node runs here, or a "
+                            f"crashed run left it (`ip netns del {NETNS}` after checking)")
+        self._pod_logs_before = set(os.listdir(POD_LOGS)) if POD_LOGS.is_dir() else set()
+        self._netns_before = set(os.listdir("/run/netns")) if Path("/run/netns").is_dir() else set()
+        self._host_rules_before = host_rules()
+        self._sysctls_before = host_sysctls()
+        try:
+            self._link_up()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start(self, cluster: LocalCluster, timeout: float = 120.0) -> RealNode:
+        """Run containerd, the kubelet and kube-proxy against ``cluster`` until Ready."""
+        if cluster.address != HOST_IP or not cluster.real_nodes:
+            raise NodeError(f"the cluster must run with real_nodes=True and address={HOST_IP}")
+        if cluster.service_cidr != self.service_cidr:
+            raise NodeError(f"the cluster's Service range {cluster.service_cidr} is not the "
+                            f"node's {self.service_cidr}")
+        self.cluster = cluster
+        try:
+            self._start_containerd()
+            self._import_images()
+            self._start_kubelet()
+            self._start_proxy()
+            self._wait_ready(time.monotonic() + timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _link_up(self) -> None:
+        _sh("ip", "netns", "add", NETNS)
+        _sh("ip", "link", "add", HOST_VETH, "type", "veth", "peer", "name", NODE_VETH,
+            "netns", NETNS)  # fmt: skip
+        _sh("ip", "addr", "add", f"{HOST_IP}/{LINK_PREFIX}", "dev", HOST_VETH)
+        _sh("ip", "link", "set", HOST_VETH, "up")
+        node = ["ip", "netns", "exec", NETNS]
+        _sh(*node, "ip", "addr", "add", f"{NODE_IP}/{LINK_PREFIX}", "dev", NODE_VETH)
+        _sh(*node, "ip", "link", "set", NODE_VETH, "up")
+        _sh(*node, "ip", "link", "set", "lo", "up")
+        _sh(*node, "ip", "route", "add", "default", "via", HOST_IP)
+        # A Service address kube-proxy has not translated (yet) fails at once instead of
+        # looping between host and node until its TTL runs out.
+        _sh(*node, "ip", "route", "add", "unreachable", self.service_cidr)
+        # Per-namespace: forwarding between pods, Services and the link happens in the node.
+        _sh(*node, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        for cidr in (POD_CIDR, self.service_cidr):
+            _sh("ip", "route", "add", cidr, "via", NODE_IP, "dev", HOST_VETH)
+
+    def _spawn(self, name: str, cmd: list[str]) -> None:
+        assert self.workdir is not None
+        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        out = open(self.log(name), "wb")  # noqa: SIM115 - owned by the child
+        self._procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                             start_new_session=True)
+        out.close()
+
+    def log(self, name: str) -> Path:
+        assert self.workdir is not None
+        return self.workdir / "logs" / f"{name}.log"
+
+    def _start_containerd(self) -> None:
+        assert self.workdir is not None
+        RUN_DIR.mkdir(parents=True, exist_ok=True)
+        cni_conf = self.workdir / "cni-conf"
+        cni_conf.mkdir(exist_ok=True)
+        (cni_conf / "10-kvbridge.conflist").write_text(
+            json.dumps(cni_config(self.workdir / "cni-ipam"), indent=1))
+        config = self.workdir / "containerd.toml"
+        config.write_text(containerd_config(self.workdir / "containerd", RUN_DIR / "containerd",
+                                            self.socket, cni_conf, self.binaries.cni_dir))
+        self._spawn("containerd", _in_node(str(self.binaries.containerd), "--config",
+                                           str(config), "--log-level", "warn"))
+        deadline = time.monotonic() + 30
+        while self.ctr("version", check=False).returncode != 0:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise NodeError(f"containerd did not answer on {self.socket}; see "
+                                f"{self.log('containerd')}")
+            time.sleep(0.2)
+
+    def ctr(self, *args: str, check: bool = True, timeout: float = 120
+            ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        """``ctr`` against this node's containerd, in the Kubernetes namespace."""
+        return _sh(str(self.binaries.ctr), "--address", str(self.socket), "-n", "k8s.io",
+                   *args, check=check, timeout=timeout)  # fmt: skip
+
+    def _import_images(self) -> None:
+        for archive in self.images:
+            try:
+                self.ctr("images", "import", str(archive), timeout=300)
+            except subprocess.CalledProcessError as exc:
+                raise NodeError(f"importing {archive} failed: {exc.stderr.strip()}") from exc
+
+    def image_names(self) -> list[str]:
+        return self.ctr("images", "ls", "-q").stdout.split()
+
+    def tag(self, source: str, target: str) -> None:
+        """Give an imported image a second name (a 'new tag' for upgrade tests)."""
+        self.ctr("images", "tag", "--force", source, target)
+
+    def _start_kubelet(self) -> None:
+        assert self.workdir is not None and self.cluster is not None
+        root = self.workdir / "kubelet"
+        root.mkdir(exist_ok=True)
+        resolv = self.workdir / "resolv.conf"
+        resolv.write_text("")  # pods resolve nothing outside this machine
+        kubeconfig = self.cluster.kubeconfig
+        labels = ",".join(f"{k}={v}" for k, v in self.labels.items())
+        self._spawn("kubelet", _in_node(
+            str(self.binaries.kubelet), f"--kubeconfig={kubeconfig}",
+            f"--hostname-override={self.name}", f"--node-ip={NODE_IP}",
+            "--container-runtime=remote",
+            f"--container-runtime-endpoint=unix://{self.socket}",
+            "--cgroup-driver=cgroupfs", "--oom-score-adj=0", "--fail-swap-on=false",
+            f"--root-dir={root}", f"--cert-dir={root / 'pki'}",
+            f"--volume-plugin-dir={root / 'volume-plugins'}",
+            f"--resolv-conf={resolv}", "--read-only-port=0",
+            "--healthz-bind-address=127.0.0.1", f"--pod-infra-container-image={PAUSE_IMAGE}",
+            # Images are imported, never pulled: keep them whatever the shared disk holds.
+            "--image-gc-high-threshold=100", "--image-gc-low-threshold=99",
+            "--eviction-hard=memory.available<100Mi,nodefs.available<1%,imagefs.available<1%",
+            "--node-status-update-frequency=2s", "--sync-frequency=5s",
+            "--runtime-request-timeout=2m", "--serialize-image-pulls=false",
+            *([f"--node-labels={labels}"] if labels else []), "-v=1",
+        ))  # fmt: skip
+
+    def _start_proxy(self) -> None:
+        assert self.cluster is not None
+        self._spawn("kube-proxy", _in_node(
+            str(self.binaries.kube_proxy), f"--kubeconfig={self.cluster.kubeconfig}",
+            f"--hostname-override={self.name}", "--proxy-mode=iptables",
+            f"--cluster-cidr={POD_CIDR}", "--masquerade-all",
+            # 0 = leave the (host-wide) conntrack table settings alone.
+            "--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0",
+            "--conntrack-tcp-timeout-close-wait=0", "--oom-score-adj=0",
+            "--metrics-bind-address=127.0.0.1:10249", "--healthz-bind-address=127.0.0.1:10256",
+            "--iptables-min-sync-period=0s", "-v=1",
+        ))  # fmt: skip
+
+    def _check_alive(self) -> None:
+        for name, proc in self._procs.items():
+            if proc.poll() is not None:
+                tail = self.log(name).read_text(errors="replace")[-2000:]
+                raise NodeError(f"{name} exited with {proc.returncode}; see {self.log(name)}:\n"
+                                f"{tail}")
+
+    def _wait_ready(self, deadline: float) -> None:
+        from kubernetes import client
+
+        assert self.cluster is not None
+        core = client.CoreV1Api(self.cluster.api_client())
+        last = "not registered"
+        while time.monotonic() < deadline:
+            self._check_alive()
+            with contextlib.suppress(client.ApiException):
+                node = core.read_node(self.name)
+                ready = [c for c in node.status.conditions or [] if c.type == "Ready"]
+                if ready and ready[0].status == "True":
+                    return
+                last = ready[0].message if ready else "no Ready condition"
+            time.sleep(0.5)
+        raise NodeError(f"node {self.name} not Ready: {last}; see {self.log('kubelet')}")
+
+    # -- teardown ----------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Delete pods, stop the daemons, remove everything the node made (idempotent)."""
+        steps: list[tuple[str, Any]] = [
+            ("drain", self._drain_if_running),
+            ("daemons", lambda: [self._terminate(n) for n in ("kube-proxy", "kubelet")]),
+            ("tasks", self._remove_tasks),
+            ("containerd", lambda: self._terminate("containerd")),
+            ("shims", self._kill_shims),
+            ("mounts", lambda: self._unmount_under(RUN_DIR, *filter(None, [self.workdir]))),
+            ("cgroups", self._remove_cgroups),
+            ("netns", self._remove_pod_netns),
+            ("link", self._remove_link),
+            ("logs", self._remove_pod_logs),
+        ]
+        for name, step in steps:
+            start = time.monotonic()
+            try:
+                step()
+            except Exception as exc:  # keep going: every later step removes something else
+                log.warning("node teardown step %s failed: %s", name, exc)
+            log.debug("node teardown step %s took %.1f s", name, time.monotonic() - start)
+        shutil.rmtree(RUN_DIR, ignore_errors=True)
+        if self.workdir is not None and not os.environ.get("KVB_KEEP"):
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _drain_if_running(self) -> None:
+        if "kubelet" in self._procs and self._procs["kubelet"].poll() is None:
+            self._drain(time.monotonic() + 60)
+
+    def _drain(self, deadline: float) -> None:
+        """Delete every pod bound to this node and wait until containerd runs no sandbox, so
+        the kubelet tears each down through CNI (address released, veth gone)."""
+        from kubernetes import client
+
+        assert self.cluster is not None
+        core = client.CoreV1Api(self.cluster.api_client())
+        pods = core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.name}")
+        for pod in pods.items:
+            with contextlib.suppress(client.ApiException):
+                core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace,
+                                           grace_period_seconds=0)
+        while time.monotonic() < deadline:
+            if not self.running_tasks():
+                return
+            time.sleep(0.5)
+
+    def running_tasks(self) -> list[str]:
+        """Container and sandbox tasks containerd runs now (stopped ones left out)."""
+        rows = self.ctr("tasks", "ls", check=False, timeout=20).stdout.splitlines()[1:]
+        return [r.split()[0] for r in rows if r.split()[2:3] == ["RUNNING"]]
+
+    def _terminate(self, name: str) -> None:
+        proc = self._procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+    def _remove_tasks(self) -> None:
+        if "containerd" not in self._procs:
+            return
+        for task in self.ctr("tasks", "ls", "-q", check=False, timeout=20).stdout.split():
+            self.ctr("tasks", "kill", "-s", "SIGKILL", task, check=False, timeout=20)
+        time.sleep(0.5)
+        for task in self.ctr("tasks", "ls", "-q", check=False, timeout=20).stdout.split():
+            self.ctr("tasks", "delete", "--force", task, check=False, timeout=20)
+
+    def _shim_pids(self) -> list[int]:
+        marker = str(self.socket).encode()
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                cmdline = (entry / "cmdline").read_bytes()
+                if b"containerd-shim" in cmdline and marker in cmdline:
+                    pids.append(int(entry.name))
+        return pids
+
+    def _kill_shims(self) -> None:
+        for pid in self._shim_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+
+    @staticmethod
+    def _mounts_under(*roots: Path) -> list[str]:
+        prefixes = tuple(str(r).rstrip("/") + "/" for r in roots)
+        points = []
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                point = line.split()[1].encode().decode("unicode_escape")
+                if point.startswith(prefixes) or point in {p.rstrip("/") for p in prefixes}:
+                    points.append(point)
+        return points
+
+    def _unmount_under(self, *roots: Path) -> None:
+        for point in sorted(self._mounts_under(*roots), key=len, reverse=True):
+            _sh("umount", "-l", point, check=False)
+
+    @staticmethod
+    def _kubepods_cgroups() -> list[Path]:
+        return [d for d in CGROUP_ROOT.glob("*/kubepods") if d.is_dir()]
+
+    def _remove_cgroups(self) -> None:
+        for top in self._kubepods_cgroups():
+            for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+            with contextlib.suppress(OSError):
+                top.rmdir()
+
+    def _new_netns(self) -> list[str]:
+        now = set(os.listdir("/run/netns")) if Path("/run/netns").is_dir() else set()
+        return sorted(now - self._netns_before)
+
+    def _remove_pod_netns(self) -> None:
+        for name in self._new_netns():
+            if name == NETNS:
+                continue
+            path = Path("/run/netns") / name
+            _sh("umount", "-l", str(path), check=False)
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    def _remove_link(self) -> None:
+        for cidr in (POD_CIDR, self.service_cidr):
+            _sh("ip", "route", "del", cidr, "via", NODE_IP, check=False)
+        _sh("ip", "link", "del", HOST_VETH, check=False)
+        _sh("ip", "netns", "del", NETNS, check=False)
+
+    def _remove_pod_logs(self) -> None:
+        if POD_LOGS.is_dir():
+            for name in set(os.listdir(POD_LOGS)) - self._pod_logs_before:
+                shutil.rmtree(POD_LOGS / name, ignore_errors=True)
+        if CONTAINER_LOGS.is_dir():
+            for link in CONTAINER_LOGS.iterdir():
+                if link.is_symlink() and not link.exists():
+                    link.unlink()
+
+    def leftovers(self) -> dict[str, list[str]]:
+        """What a stopped node left on the host, by kind; empty lists when clean."""
+        links = _sh("ip", "-o", "link", "show").stdout
+        sysctls = host_sysctls()
+        routes = _sh("ip", "route", "show").stdout
+        return {
+            "links": re.findall(rf"^\d+: ({HOST_VETH}|{BRIDGE}|veth\w+)[@:]", links, re.M),
+            "routes": [r for r in routes.splitlines() if NODE_IP in r],
+            "netns": self._new_netns(),
+            "mounts": self._mounts_under(RUN_DIR, *([self.workdir] if self.workdir else [])),
+            "cgroups": [str(p) for p in self._kubepods_cgroups()],
+            "shims": [str(p) for p in self._shim_pids()],
+            "daemons": [n for n, p in self._procs.items() if p.poll() is None],
+            "host_iptables": sorted(set(host_rules()) ^ set(self._host_rules_before)),
+            "host_sysctls": [f"{k}: {v} -> {sysctls.get(k)}"
+                             for k, v in self._sysctls_before.items() if sysctls.get(k) != v],
+        }
