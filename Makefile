@@ -12,7 +12,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH_SPEC ?= torch==2.13.0
 NIXL_SPEC ?= nixl-cu12==1.5.1
 
-.PHONY: venv test lint bench clean test-stack vllm-venv demo
+.PHONY: venv test lint bench clean test-stack node-images vllm-venv demo
 
 venv: $(VENV)/.installed
 
@@ -33,13 +33,19 @@ lint: venv
 test-stack: venv
 	PYTHON=$(PY) bash hack/test-stack.sh ensure
 
+# The images the real-node tests run (tests/node): the operator and agent images from the
+# Dockerfile, built with buildah over a Debian base made here, and the pod sandbox image.
+# ~3 minutes the first time, rebuilt when their sources change; cached under /var/cache/kvbridge.
+node-images: test-stack
+	bash hack/node-images.sh ensure
+
 # Real vLLM 0.30.0 engines (CPU build) for tests/vllm_engines and bench/bench_vllm.py, in a
 # venv of their own outside the repository (vLLM pins its own torch and friends): ~5 minutes
 # the first time, cached under /var/cache/kvbridge.
 vllm-venv: venv
 	bash hack/vllm-venv.sh ensure
 
-test: venv lint test-stack vllm-venv
+test: venv lint test-stack node-images vllm-venv
 	$(PY) -m pytest
 
 # The whole flow on a local control plane: chart, operator, simulated P/D pods with real

@@ -13,6 +13,10 @@ local blocks a request will be written into), ``push`` (prefill: WRITE them),
 
 ``--tp-rank`` / ``--tp-size`` make the process one TP rank of its engine (one pod per rank).
 
+In a real pod (the agent image, ``hack/node-images.sh``) there is no stdin to drive: it runs
+without ``--kubeconfig`` (the pod's ServiceAccount token, in-cluster), advertises ``$POD_IP``
+and serves the same JSON lines on ``--control-port`` (one client at a time).
+
 Memory presets (``--preset``):
 - ``grouped``: 4 MLA regions in 2 transfer groups, all VRAM (CPU-test map: DRAM in NIXL);
 - ``mixed``: the same regions, the last one a DRAM host pool (decode side of a mixed pull);
@@ -196,7 +200,8 @@ class PodAgent:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kubeconfig", required=True)
+    ap.add_argument("--kubeconfig", default=None,
+                    help="default: $KUBECONFIG, else the pod's in-cluster ServiceAccount token")
     ap.add_argument("--transfer", default="kvt")
     ap.add_argument("--role", choices=("prefill", "decode"), required=True)
     ap.add_argument("--engine-id", required=True)
@@ -205,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=("pull", "push"), default="pull")
     ap.add_argument("--tp-rank", type=int, default=0)
     ap.add_argument("--tp-size", type=int, default=1)
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default=os.environ.get("POD_IP", "127.0.0.1"))
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--metrics-port", type=int, default=-1)
     ap.add_argument("--sync-interval", type=float, default=0.3)
@@ -213,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transfer-timeout", type=float, default=5.0)
     ap.add_argument("--api-uds", default="", help="reach the apiserver through this unix "
                     "socket (agents inside a network namespace)")
+    ap.add_argument("--control-port", type=int, default=0,
+                    help="serve the JSON-line commands on this TCP port instead of stdin")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {os.environ.get('POD_NAME', '?')} %(name)s "
@@ -223,22 +230,52 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
-    reply({"event": "ready", **agent.status()})
     try:
-        for line in sys.stdin:
-            if not line.strip():
-                continue
-            try:
-                cmd = json.loads(line)
-                if cmd.get("cmd") == "exit":
-                    reply({"ok": True})
-                    break
-                reply(agent.handle(cmd))
-            except Exception as exc:
-                reply({"error": f"{type(exc).__name__}: {exc}"})
+        if args.control_port:
+            serve_tcp(agent, args.control_port)
+        else:
+            reply({"event": "ready", **agent.status()})
+            serve_lines(agent, sys.stdin, reply)
     finally:
         agent.close()
     return 0
+
+
+def serve_lines(agent: PodAgent, lines: Any, reply: Any) -> bool:
+    """Answer each command line; True when told to exit. A bad command gets an error reply."""
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            cmd = json.loads(line)
+            if cmd.get("cmd") == "exit":
+                reply({"ok": True})
+                return True
+            reply(agent.handle(cmd))
+        except Exception as exc:
+            reply({"error": f"{type(exc).__name__}: {exc}"})
+    return False
+
+
+def serve_tcp(agent: PodAgent, port: int) -> None:
+    """The control lines over TCP, one connection at a time, until an ``exit`` command."""
+    import socket
+
+    logging.getLogger("pod_agent").info("control on port %d, ready: %s", port, agent.status())
+    with socket.create_server(("0.0.0.0", port), reuse_port=False) as server:
+        while True:
+            conn, _ = server.accept()
+            with conn, conn.makefile("rw", encoding="utf-8") as stream:
+
+                def reply(obj: dict[str, Any], stream: Any = stream) -> None:
+                    stream.write(json.dumps(obj) + "\n")
+                    stream.flush()
+
+                try:
+                    if serve_lines(agent, stream, reply):
+                        return
+                except OSError:
+                    continue  # the client went away; wait for the next one
 
 
 if __name__ == "__main__":

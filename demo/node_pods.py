@@ -1,0 +1,101 @@
+"""Serving pods on a real node (hack/kvbridge_node.py): the agent image's engine stand-in
+(demo/pod_agent.py) as a real container, and a handle that drives it over its TCP control
+port. Used by ``make demo`` on a real node and by tests/node."""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+
+CONTROL_PORT = 7000
+AGENT_SA = "kvbridge-agent"
+
+
+def agent_pod(name: str, role: str, image: str, *, engine_id: str | None = None,
+              seed: int = 7, preset: str = "grouped", transfer: str = "kvt",
+              service_account: str = AGENT_SA) -> dict[str, Any]:  # fmt: skip
+    """A serving pod as a user would write it: the agent image, the pod-bound ServiceAccount
+    token, the downward API, non-root on a read-only root filesystem."""
+
+    def field(path: str) -> dict[str, Any]:
+        return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": "kvb-agent", "kvbridge.io/role": role}},
+        "spec": {
+            "serviceAccountName": service_account,
+            "terminationGracePeriodSeconds": 2,
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532},
+            "containers": [{
+                "name": "agent",
+                "image": image,
+                "imagePullPolicy": "Never",
+                "args": ["--transfer", transfer, "--role", role,
+                         "--engine-id", engine_id or name, "--preset", preset,
+                         "--seed", str(seed), "--control-port", str(CONTROL_PORT)],
+                "env": [
+                    {"name": "POD_NAME", **field("metadata.name")},
+                    {"name": "POD_NAMESPACE", **field("metadata.namespace")},
+                    {"name": "POD_UID", **field("metadata.uid")},
+                    {"name": "POD_IP", **field("status.podIP")},
+                    {"name": "NODE_NAME", **field("spec.nodeName")},
+                    # UCX may use every device the pod has; log which transport it picks.
+                    {"name": "UCX_NET_DEVICES", "value": "all"},
+                    {"name": "UCX_PROTO_INFO", "value": "y"},
+                    {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+                ],
+                "ports": [{"name": "control", "containerPort": CONTROL_PORT}],
+                "readinessProbe": {"tcpSocket": {"port": "control"}, "periodSeconds": 1},
+                "securityContext": {"allowPrivilegeEscalation": False,
+                                    "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}},
+                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+            }],
+            "volumes": [{"name": "tmp", "emptyDir": {}}],
+        },
+    }  # fmt: skip
+
+
+def agent_call(pod_ip: str, cmd: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+    """One JSON-line command to a pod agent's control port (a fresh connection each time)."""
+    with socket.create_connection((pod_ip, CONTROL_PORT), timeout=timeout) as conn:
+        stream = conn.makefile("rw", encoding="utf-8")
+        stream.write(json.dumps(cmd) + "\n")
+        stream.flush()
+        line = stream.readline()
+    if not line:
+        raise ConnectionError(f"agent at {pod_ip} closed the connection on {cmd}")
+    reply = json.loads(line)
+    if "error" in reply:
+        raise RuntimeError(f"agent at {pod_ip}: {reply['error']}")
+    return reply
+
+
+class NodePod:
+    """A running agent pod, driven like demo/sim.py's SimPod: ``call(cmd, **kw)``, ``status()``."""
+
+    def __init__(self, name: str, ip: str, *, engine_id: str | None = None,
+                 preset: str = "grouped") -> None:  # fmt: skip
+        self.name, self.ip, self.preset = name, ip, preset
+        self.engine_id = engine_id or name
+
+    def call(self, cmd: str, timeout: float = 30.0, **kw: Any) -> dict[str, Any]:
+        return agent_call(self.ip, {"cmd": cmd, **kw}, timeout=timeout)
+
+    def status(self) -> dict[str, Any]:
+        return self.call("status")
+
+
+def ucx_transports(log: str) -> set[str]:
+    """Transports named in UCX's protocol-selection report (UCX_PROTO_INFO=y), e.g. 'tcp'."""
+    known = {"tcp", "cma", "posix", "sysv", "xpmem", "knem", "self", "rc_mlx5", "rc_verbs",
+             "ud_verbs", "ud_mlx5", "dc_mlx5", "cuda_ipc", "cuda_copy", "gdr_copy"}
+    found = set()
+    for token in log.replace("|", " ").split():
+        head = token.split("/", 1)[0]
+        if "/" in token and head in known:
+            found.add(head)
+    return found

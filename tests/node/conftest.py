@@ -1,0 +1,116 @@
+"""Fixtures for the real-node tests: one control plane and one kubelet node per session
+(hack/kvbridge_node.py), the chart installed from the locally built operator image, and a
+prefill/decode pair of agent pods. Missing binaries or images FAIL the session: CI must run
+these (``make test`` builds them)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import kvbridge_cluster as kc
+import kvbridge_node as kn
+import pytest
+import yaml
+from chartlib import CHART, Kube
+from kvb_e2e import Api, wait_for
+from node_pods import agent_pod
+from nodelib import (
+    AGENT_NS,
+    OPERATOR_NS,
+    RELEASE,
+    image_values,
+    preflighted,
+    wait_pod_ready,
+    wait_rollout,
+)
+
+from kvbridge_operator import testing as manifests
+
+ZONE = {"topology.kubernetes.io/zone": "zone-a"}
+
+
+@pytest.fixture(scope="session")
+def images() -> dict[str, str]:
+    try:
+        return kn.node_images()
+    except kn.ImagesMissingError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def node_cluster(images: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[tuple[kc.LocalCluster, kn.RealNode]]:  # fmt: skip
+    try:
+        binaries, node_binaries = kc.Binaries.find(), kn.NodeBinaries.find()
+    except kc.StackMissingError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    archives = kn.image_archives(images)
+    node = kn.RealNode(images=archives, labels=ZONE, binaries=node_binaries).link_up()
+    try:
+        cluster = kc.LocalCluster(workdir=tmp_path_factory.mktemp("node-cluster"),
+                                  binaries=binaries, address=kn.HOST_IP, real_nodes=True,
+                                  service_cidr=kn.SERVICE_CIDR)  # fmt: skip
+        with cluster:
+            try:
+                node.start(cluster)
+                yield cluster, node
+            finally:
+                node.stop()  # before the apiserver goes: pods are deleted through it
+    finally:
+        node.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(node_cluster: tuple[kc.LocalCluster, kn.RealNode]) -> kc.LocalCluster:
+    return node_cluster[0]
+
+
+@pytest.fixture(scope="session")
+def node(node_cluster: tuple[kc.LocalCluster, kn.RealNode]) -> kn.RealNode:
+    return node_cluster[1]
+
+
+@pytest.fixture(scope="session")
+def kube(cluster: kc.LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Kube:
+    return Kube(cluster=cluster, helm_home=tmp_path_factory.mktemp("helm"))
+
+
+@pytest.fixture(scope="session")
+def api(cluster: kc.LocalCluster) -> Api:
+    return Api(cluster.api_client())
+
+
+@pytest.fixture(scope="session")
+def release(kube: Kube, images: dict[str, str]) -> Iterator[str]:
+    """The chart, unmodified, installed with the local operator image; agents in AGENT_NS."""
+    kube.create_namespace(OPERATOR_NS)
+    kube.create_namespace(AGENT_NS)
+    kube.helm("install", RELEASE, str(CHART), "-n", OPERATOR_NS, *image_values(images),
+              "--set", f"agent.namespaces={{{AGENT_NS}}}", timeout=180)  # fmt: skip
+    wait_rollout(kube)
+    # Ready pods are not yet a reachable Service: wait until kube-proxy routes the API
+    # server's webhook calls to the operator (a server-side dry run goes through the webhook).
+    probe = yaml.safe_dump(manifests.transfer_manifest("webhook-probe", AGENT_NS))
+    wait_for(lambda: kube.kubectl("apply", "--dry-run=server", "-f", "-", input=probe,
+                                  check=False).returncode == 0,
+             timeout=60, interval=1, what="the webhook answering through its Service")
+    yield RELEASE
+    kube.helm("uninstall", RELEASE, "-n", OPERATOR_NS, "--wait", check=False)
+
+
+@pytest.fixture(scope="session")
+def agents(api: Api, kube: Kube, release: str, images: dict[str, str]) -> dict[str, str]:
+    """A KVTransfer and one prefill and one decode pod from the agent image, Ready and
+    preflighted; returns pod name by role."""
+    api.create_transfer(AGENT_NS)
+    names = {"prefill": "prefill-0", "decode": "decode-0"}
+    for role, name in names.items():
+        api.core.create_namespaced_pod(AGENT_NS, agent_pod(name, role,
+                                                           images["KVB_IMAGE_AGENT"]))
+    for name in names.values():
+        wait_pod_ready(api, AGENT_NS, name)
+    api.wait_condition(AGENT_NS, "Ready", "True", timeout=120)
+    wait_for(lambda: preflighted(api, names["decode"]), timeout=60,
+             what="decode preflighted its prefill")  # fmt: skip
+    return names
+

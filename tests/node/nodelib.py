@@ -1,0 +1,103 @@
+"""Helpers for the real-node tests: chart values for the local images, readiness waits, and
+what a container really runs as (read through the host's /proc and the container's mounts).
+Agent pods and their control channel are demo/node_pods.py's, shared with ``make demo``."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from chartlib import Kube
+from kvb_e2e import Api, wait_for
+from node_pods import agent_call
+
+AGENT_NS = "kvb-agents"
+RELEASE, OPERATOR_NS = "kvbridge", "kvbridge-system"
+
+
+def image_values(images: dict[str, str], tag_key: str = "KVB_IMAGE_OPERATOR") -> list[str]:
+    repository, tag = images[tag_key].rsplit(":", 1)
+    return ["--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+            "--set", "image.pullPolicy=Never"]  # fmt: skip
+
+
+def wait_rollout(kube: Kube, timeout: int = 180) -> None:
+    proc = kube.kubectl("rollout", "status", f"deployment/{RELEASE}", "-n", OPERATOR_NS,
+                        f"--timeout={timeout}s", check=False)  # fmt: skip
+    if proc.returncode != 0:
+        pods = kube.kubectl("get", "pods", "-n", OPERATOR_NS, "-o", "wide", check=False).stdout
+        events = kube.kubectl("get", "events", "-n", OPERATOR_NS, check=False).stdout
+        logs = kube.kubectl("logs", f"deployment/{RELEASE}", "-n", OPERATOR_NS, "--tail=40",
+                            check=False)  # fmt: skip
+        raise AssertionError(f"operator rollout failed: {proc.stderr}\n{pods}\n{events}\n"
+                             f"{logs.stdout}{logs.stderr}")
+
+
+def pod_ip(api: Api, ns: str, name: str) -> str:
+    return api.core.read_namespaced_pod(name, ns).status.pod_ip
+
+
+def wait_pod_ready(api: Api, ns: str, name: str, timeout: float = 120) -> Any:
+    def ready() -> Any:
+        pod = api.core.read_namespaced_pod(name, ns)
+        conds = {c.type: c.status for c in pod.status.conditions or []}
+        return pod if conds.get("Ready") == "True" else None
+
+    return wait_for(ready, timeout=timeout, interval=0.5, what=f"pod {ns}/{name} Ready")
+
+
+def preflighted(api: Api, pod: str) -> bool:
+    """Every handshake the agent in ``pod`` reports has succeeded, and there is one."""
+    shakes = agent_call(pod_ip(api, AGENT_NS, pod), {"cmd": "status"})["handshakes"]
+    return bool(shakes) and all(h["state"] == "Succeeded" for h in shakes)
+
+
+def container_pid(node: Any, container_id: str) -> int:
+    """The host PID of a container's first process, from containerd's task list."""
+    cid = container_id.split("://", 1)[-1]
+    for line in node.ctr("tasks", "ls").stdout.splitlines()[1:]:
+        parts = line.split()
+        if parts and parts[0] == cid:
+            return int(parts[1])
+    raise LookupError(f"no running task for container {cid}")
+
+
+def process_identity(pid: int) -> dict[str, Any]:
+    """uid/gid, capabilities and the root mount's options of a host PID (the container's view)."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    fields = dict(line.split(":", 1) for line in status if ":" in line)
+    root_opts = ""
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        parts = line.split()
+        if parts[4] == "/":
+            root_opts = parts[5]
+    return {
+        "uid": [int(x) for x in fields["Uid"].split()],
+        "gid": [int(x) for x in fields["Gid"].split()],
+        "cap_eff": int(fields["CapEff"].strip(), 16),
+        "no_new_privs": fields.get("NoNewPrivs", "").strip() == "1",
+        "root_read_only": "ro" in root_opts.split(","),
+    }
+
+
+def read_in_container(pid: int, path: str) -> str:
+    """A file as the container sees it (its mount namespace resolves its own symlinks)."""
+    return subprocess.run(["nsenter", "-t", str(pid), "-m", "cat", path], capture_output=True,
+                          text=True, check=True, timeout=10).stdout  # fmt: skip
+
+
+TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+
+
+def token_claims(pid: int) -> dict[str, Any]:
+    """The claims of the ServiceAccount token mounted in a container (not verified: read only)."""
+    payload = read_in_container(pid, TOKEN_PATH).strip().split(".")[1]
+    return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+
+
+def env_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().split("=", 1) for e in raw if b"=" in e)

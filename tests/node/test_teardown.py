@@ -1,0 +1,57 @@
+"""Last in the node session (files run in name order): a deleted pod's KVEndpoint is garbage
+collected by the real controller, ``helm uninstall`` leaves nothing running, and stopping the
+node leaves no bridge, veth, iptables rule, network namespace, mount, cgroup or containerd
+task behind on the host."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from chartlib import Kube
+from kvb_e2e import Api, wait_for
+from nodelib import AGENT_NS, OPERATOR_NS, RELEASE
+
+from kvbridge_operator.config import ENDPOINTS
+
+pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.slow]
+
+
+def test_deleted_agent_pod_garbage_collects_its_endpoint(api: Api, node: Any,
+                                                         agents: dict[str, str]) -> None:
+    name = agents["decode"]
+    assert name in api.endpoints(AGENT_NS)
+    api.core.delete_namespaced_pod(name, AGENT_NS)
+    wait_for(lambda: name not in {e["metadata"]["name"] for e in api.list(ENDPOINTS, AGENT_NS)},
+             timeout=90, what="the KVEndpoint garbage-collected with its pod")  # fmt: skip
+    wait_for(lambda: not [p for p in api.core.list_namespaced_pod(AGENT_NS).items
+                          if p.metadata.name == name], timeout=60, what="pod gone")  # fmt: skip
+    api.wait_condition(AGENT_NS, "Ready", "False", timeout=60)
+
+
+def test_helm_uninstall_leaves_nothing_running(api: Api, kube: Kube, node: Any,
+                                               release: str) -> None:
+    tasks_before = set(node.ctr("tasks", "ls", "-q").stdout.split())
+    operator_containers = {
+        c.container_id.split("://")[-1]
+        for p in api.core.list_namespaced_pod(OPERATOR_NS).items
+        for c in p.status.container_statuses or []
+    }
+    assert operator_containers & tasks_before
+    kube.helm("uninstall", RELEASE, "-n", OPERATOR_NS, "--wait", "--timeout", "120s")
+    wait_for(lambda: not api.core.list_namespaced_pod(OPERATOR_NS).items, timeout=90,
+             what="no pods left in the release namespace")  # fmt: skip
+    wait_for(lambda: not operator_containers & set(node.ctr("tasks", "ls", "-q").stdout.split()),
+             timeout=60, what="the operator's containers stopped")  # fmt: skip
+    for kind in ("deployment", "service", "validatingwebhookconfiguration", "clusterrole"):
+        out = kube.kubectl("get", kind, "-A", "-l", f"app.kubernetes.io/instance={RELEASE}",
+                           "-o", "name").stdout  # fmt: skip
+        assert not out.strip(), f"left after uninstall: {out}"
+
+
+def test_stopped_node_leaves_nothing_on_the_host(api: Api, node: Any) -> None:
+    for pod in api.core.list_namespaced_pod(AGENT_NS).items:  # still running: stop() drains
+        assert pod.spec.node_name == node.name
+    node.stop()
+    leftovers = node.leftovers()
+    assert leftovers == {k: [] for k in leftovers}, leftovers
