@@ -1,20 +1,27 @@
-"""`make demo`: kvbridge end to end on this machine, in one command (~1-2 minutes once the
-control plane binaries are cached; the first run builds them, ~7-10 minutes).
+"""`make demo`: kvbridge end to end on this machine, in one command.
 
-1. ensure the local control plane binaries (hack/test-stack.sh ensure), start etcd +
-   kube-apiserver + kube-controller-manager and the node simulator (FakeKubelet);
-2. install the Helm chart (operator Deployment scaled to 0: the operator runs here as a local
-   ``kopf run`` process with the chart's operator ServiceAccount token, serving the admission
-   webhook over loopback TLS; the chart's Service-based webhook is replaced by a
-   ValidatingWebhookConfiguration with that URL);
-3. apply examples/demo-kvtransfer.yaml; start a prefill and a decode pod (real Pod objects,
-   each backed by an agent process with real memory and real NIXL, using a pod-bound token);
+On a machine that can run one (root, cgroup v1, network namespaces), everything runs as it
+would for a user: a real kubelet node (hack/kvbridge_node.py) runs the operator from the
+chart, unmodified, and the serving pods from images built here (hack/node-images.sh). Where
+the node cannot start, the demo says why and falls back to simulated pods: real Pod objects
+on a node simulator, each backed by an agent process (demo/sim.py), with the operator as a
+local ``kopf run``. ``KVBRIDGE_DEMO=simulated`` (or ``node``) chooses explicitly.
+
+1. ensure the binaries (hack/test-stack.sh ensure; the first run builds them, ~8 minutes, and
+   on a real node the images, ~3 minutes), start etcd + kube-apiserver +
+   kube-controller-manager (+ kube-scheduler, kubelet, kube-proxy and containerd);
+2. install the Helm chart (real node: the operator Deployment from the local image, its
+   webhook behind its Service; simulated: the operator as a local process with the chart's
+   ServiceAccount token and a loopback webhook);
+3. apply examples/demo-kvtransfer.yaml; start a prefill and a decode pod (real containers, or
+   agent processes with real memory and real NIXL, pod-bound tokens either way);
 4. show the pairing and the preflight handshakes, run a grouped + mixed-memory pull with
    byte-exact verification and its throughput;
 5. show the admission webhook refusing a malformed KVEndpoint (tpRank >= tpSize) and a pod
    overwriting another pod's endpoint, with their messages;
 6. start an incompatible decode pod and show the operator refusing it, with the reason;
-7. print ``kubectl get kvtransfers,kvendpoints``; clean everything up (also on Ctrl-C).
+7. print ``kubectl get pods`` and ``kubectl get kvtransfers,kvendpoints``; clean everything
+   up (also on Ctrl-C).
 """
 
 from __future__ import annotations
@@ -28,7 +35,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "hack"), str(REPO / "demo"), str(REPO / "agent"),
@@ -47,16 +57,14 @@ def say(msg: str) -> None:
 
 
 def ensure_stack() -> kc.Binaries:
-    try:
-        return kc.Binaries.find()
-    except kc.StackMissingError:
-        say("control plane binaries missing: building kube-apiserver/controller-manager "
-            "v1.20.2 once from Debian's source (~7-10 minutes on 2 cores; cached in "
-            "/var/cache/kvbridge) ...")
+    """The control plane and node binaries (a second when cached; ~8 minutes the first time)."""
+    if not os.environ.get("KVB_KUBE_APISERVER"):
+        say("ensuring the control plane and node binaries (hack/test-stack.sh ensure; the "
+            "first run builds Kubernetes v1.20.2 from Debian's source, ~8 minutes) ...")
         env = {**os.environ, "PYTHON": sys.executable}
         subprocess.run(["bash", str(REPO / "hack" / "test-stack.sh"), "ensure"], check=True,
-                       env=env)
-        return kc.Binaries.find()
+                       env=env, stdout=subprocess.DEVNULL)
+    return kc.Binaries.find()
 
 
 def main() -> int:
@@ -79,11 +87,186 @@ def main() -> int:
         say("cleaned up (agents, operator, control plane)")
 
 
+#: start_pod(name, role, engine_id, preset, seed) -> (a pod handle with call/status, where)
+StartPod = Callable[[str, str, str, str, int], tuple[Any, str]]
+
+
+@dataclass
+class Stage:
+    """Where the demo runs: the control plane, how a serving pod starts, and what else there
+    is to say about a transfer on it (on a real node: the UCX transport that carried it)."""
+
+    cluster: kc.LocalCluster
+    start_pod: StartPod
+    report_transfer: Callable[[], None] = lambda: None
+
+
 def run(cleanup: list) -> int:
     from kubernetes import client
-    from sim import SimPod, handshakes_ok, wait_until
+    from sim import handshakes_ok, wait_until
 
     binaries = ensure_stack()
+    mode = os.environ.get("KVBRIDGE_DEMO", "auto")
+    if mode not in {"auto", "node", "simulated"}:
+        raise SystemExit(f"KVBRIDGE_DEMO={mode!r}: expected auto, node or simulated")
+    stage: Stage | None = None
+    if mode != "simulated":
+        try:
+            stage = setup_node(binaries, cleanup)
+        except Exception as exc:
+            if mode == "node":
+                raise
+            say(f"a real node cannot run here ({type(exc).__name__}: {str(exc)[:300]}); "
+                "falling back to simulated pods")
+            for fn in reversed(cleanup):
+                try:
+                    fn()
+                except Exception as cleanup_exc:
+                    print(f"cleanup: {cleanup_exc}", file=sys.stderr)
+            cleanup.clear()
+    if stage is None:
+        stage = setup_simulated(binaries, cleanup)
+    cluster, start_pod = stage.cluster, stage.start_pod
+    k = cluster.kubectl
+    k("apply", "-n", NS, "-f", str(REPO / "examples" / "demo-kvtransfer.yaml"))
+    say("applied examples/demo-kvtransfer.yaml (KVTransfer kvt)")
+
+    sa = f"{RELEASE}-agent"
+    p, where = start_pod("prefill-0", "prefill", "prefill-engine", "grouped", 42)
+    say(f"pod prefill-0 Running: {where} (grouped regions)")
+    d, where = start_pod("decode-0", "decode", "decode-engine", "mixed", 0)
+    say(f"pod decode-0 Running: {where} (mixed regions)")
+
+    wait_until(lambda: handshakes_ok(d) and handshakes_ok(p), timeout=90,
+               what="preflight handshakes")
+    custom = client.CustomObjectsApi(cluster.api_client())
+    for name in ("decode-0", "prefill-0"):
+        st = custom.get_namespaced_custom_object("kvbridge.io", "v1alpha1", NS, "kvendpoints",
+                                                 name)["status"]
+        hs = ", ".join(f"{h['peer']}@{h['epoch']}={h['state']}" for h in st["handshakes"])
+        say(f"{name}: operator state {st['state']} peers "
+            f"{[x['name'] for x in st['peers']]}; agent preflight: {hs}")
+
+    def ready_cond() -> dict:
+        t = custom.get_namespaced_custom_object("kvbridge.io", "v1alpha1", NS, "kvtransfers",
+                                                "kvt")
+        return next((c for c in (t.get("status") or {}).get("conditions", [])
+                     if c["type"] == "Ready" and c["status"] == "True"), {})
+
+    cond = wait_until(ready_cond, timeout=60, what="KVTransfer Ready")
+    say(f"KVTransfer kvt Ready: {cond['message']}")
+
+    n = 64   # every block of both groups: 4 regions x 64 x 16 KiB, one region a DRAM pool
+    local = [list(range(n)), list(range(n))]
+    remote = [list(reversed(range(n))), list(range(n))]
+    rates = []
+    for i in range(5):
+        rid = f"demo-{i}"
+        p.call("hold", request_ids=[rid])
+        d.call("clear")
+        res = d.call("pull", request_id=rid, remote_engine_id="prefill-engine",
+                     local_block_ids=local, remote_block_ids=remote, verify_seed=42)
+        if not (res["ok"] and res["verified"]):
+            say(f"transfer {rid} FAILED: {res}")
+            return 1
+        wait_until(lambda rid=rid: rid in p.call("completions")["finished"], timeout=10,
+                   what=f"{rid} completion at the prefill")
+        rates.append(res["gbps"])
+    say(f"grouped + mixed-memory pull: {res['nbytes'] / 2**20:.1f} MiB, {res['descs']} "
+        f"descriptors in {res['parts']} parts (VRAM<-VRAM and DRAM<-VRAM), byte-exact; "
+        f"median {statistics.median(rates):.2f} GB/s over {len(rates)} requests; "
+        "prefill got every completion notification")
+    stage.report_transfer()
+
+    show_admission(cluster, custom, sa)
+
+    start_pod("decode-bad", "decode", "decode-bad", "bad-block", 0)
+    say("started decode-bad (block length 8 KiB instead of 16 KiB) ...")
+
+    def refused() -> dict:
+        st = custom.get_namespaced_custom_object(
+            "kvbridge.io", "v1alpha1", NS, "kvendpoints", "decode-bad").get("status") or {}
+        return st if st.get("state") == "Incompatible" else {}
+
+    st = wait_until(refused, timeout=60, what="decode-bad refused")
+    say(f"decode-bad refused: {st['reason']}: {st['message'][:300]}")
+
+    print(k("get", "pods", "-A", "-o", "wide").stdout, flush=True)
+    print(k("get", "kvtransfers,kvendpoints", "-n", NS, "-o", "wide").stdout, flush=True)
+    say("demo finished")
+    return 0
+
+
+def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
+    """A real node; the chart's operator Deployment and the serving pods run as containers."""
+    import kvbridge_node as kn
+    from kubernetes import client
+    from node_pods import NodePod, agent_pod, ucx_transports
+    from sim import wait_until
+
+    node_binaries = kn.NodeBinaries.find()
+    say("node images: operator and agent from the Dockerfile, built with buildah over a Debian "
+        "base (hack/node-images.sh; ~3 minutes the first time, then cached) ...")
+    images = kn.node_images(build=True)
+    node = kn.RealNode(images=kn.image_archives(images), binaries=node_binaries,
+                       labels={"topology.kubernetes.io/zone": "zone-a"})
+    cleanup.append(node.stop)   # also when the cluster never comes up: the link goes
+    node.link_up()
+    say("starting etcd, kube-apiserver, kube-controller-manager, kube-scheduler ...")
+    cluster = kc.LocalCluster(binaries=binaries, address=kn.HOST_IP, real_nodes=True,
+                              service_cidr=kn.SERVICE_CIDR).start()
+    cleanup.append(cluster.stop)
+    say("starting containerd, kubelet and kube-proxy (a network namespace of their own) ...")
+    node.start(cluster)
+    cleanup.append(node.stop)   # before the apiserver goes: pods are deleted through it
+    k = cluster.kubectl
+    say(f"control plane up at {cluster.server}; node {node.name} Ready "
+        f"(kubelet {kc.KUBE_VERSION}, containerd, images {', '.join(node.image_names()[:3])})")
+
+    k("create", "namespace", NS)
+    repository, tag = images["KVB_IMAGE_OPERATOR"].rsplit(":", 1)
+    say(f"helm install kvbridge charts/kvbridge --set image.repository={repository} "
+        f"--set image.tag={tag} --wait ...")
+    subprocess.run(
+        [str(binaries.helm), "install", RELEASE, str(REPO / "charts" / "kvbridge"),
+         "--kubeconfig", str(cluster.kubeconfig), "-n", SYS_NS, "--create-namespace",
+         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+         "--set", "image.pullPolicy=Never", "--set", f"agent.namespaces={{{NS}}}",
+         "--wait", "--timeout=180s"],
+        check=True, capture_output=True, text=True, timeout=240)
+    wait_webhook_answering(cluster)
+    say("operator Deployment Ready (non-root, read-only root filesystem, in-cluster token); "
+        "the apiserver calls its admission webhook through the kvbridge-webhook Service")
+    core = client.CoreV1Api(cluster.api_client())
+
+    def start_pod(name: str, role: str, engine: str, preset: str, seed: int
+                  ) -> tuple[Any, str]:  # fmt: skip
+        core.create_namespaced_pod(NS, agent_pod(
+            name, role, images["KVB_IMAGE_AGENT"], engine_id=engine, preset=preset, seed=seed,
+            service_account=f"{RELEASE}-agent"))
+
+        def ready() -> Any:
+            pod = core.read_namespaced_pod(name, NS)
+            conds = {c.type: c.status for c in pod.status.conditions or []}
+            return pod if conds.get("Ready") == "True" else None
+
+        pod = wait_until(ready, timeout=120, interval=0.5, what=f"pod {name} Ready")
+        handle = NodePod(name, pod.status.pod_ip, engine_id=engine, preset=preset)
+        status = handle.status()
+        return handle, (f"container on {pod.spec.node_name}, pod IP {pod.status.pod_ip}, "
+                        f"agent epoch {status['epoch']} side channel port {status['port']}")
+
+    def transports() -> None:
+        log = core.read_namespaced_pod_log("decode-0", NS)
+        say(f"UCX carried the pod-to-pod pulls over: {sorted(ucx_transports(log)) or '?'}")
+
+    return Stage(cluster, start_pod, transports)
+
+
+def setup_simulated(binaries: kc.Binaries, cleanup: list) -> Stage:
+    """A node simulator; the operator is a local process and each pod an agent process."""
+    from sim import SimPod
+
     say("starting etcd, kube-apiserver, kube-controller-manager ...")
     cluster = kc.LocalCluster(binaries=binaries).start()
     cleanup.append(cluster.stop)
@@ -136,81 +319,20 @@ def run(cleanup: list) -> int:
     register_webhook(cluster, op, webhook_port, Path(cert).read_bytes(), cleanup)
     say(f"admission webhook registered (https://127.0.0.1:{webhook_port}, "
         "ValidatingWebhookConfiguration kvbridge-validation) and answering")
-    k("apply", "-n", NS, "-f", str(REPO / "examples" / "demo-kvtransfer.yaml"))
-    say("applied examples/demo-kvtransfer.yaml (KVTransfer kvt)")
 
-    sa = f"{RELEASE}-agent"
     pods: list[SimPod] = []
     cleanup.append(lambda: [p.close() for p in pods])
-    p = SimPod(cluster, NS, "prefill-0", role="prefill", engine_id="prefill-engine", seed=42,
-               sa=sa)
-    d = SimPod(cluster, NS, "decode-0", role="decode", engine_id="decode-engine",
-               preset="mixed", sa=sa)
-    for pod in (p, d):
+
+    def start_pod(name: str, role: str, engine: str, preset: str, seed: int
+                  ) -> tuple[Any, str]:  # fmt: skip
+        pod = SimPod(cluster, NS, name, role=role, engine_id=engine, preset=preset,
+                     seed=seed, sa=f"{RELEASE}-agent")
         pods.append(pod)
         ready = pod.start()
-        say(f"pod {pod.name} Running; agent pid {ready['pid']} epoch {ready['epoch']} "
-            f"side channel 127.0.0.1:{ready['port']} ({pod.preset} regions)")
+        return pod, (f"agent process pid {ready['pid']} epoch {ready['epoch']} side channel "
+                     f"127.0.0.1:{ready['port']}")
 
-    wait_until(lambda: handshakes_ok(d) and handshakes_ok(p), timeout=90,
-               what="preflight handshakes")
-    custom = client.CustomObjectsApi(cluster.api_client())
-    for name in ("decode-0", "prefill-0"):
-        st = custom.get_namespaced_custom_object("kvbridge.io", "v1alpha1", NS, "kvendpoints",
-                                                 name)["status"]
-        hs = ", ".join(f"{h['peer']}@{h['epoch']}={h['state']}" for h in st["handshakes"])
-        say(f"{name}: operator state {st['state']} peers "
-            f"{[x['name'] for x in st['peers']]}; agent preflight: {hs}")
-
-    def ready_cond() -> dict:
-        t = custom.get_namespaced_custom_object("kvbridge.io", "v1alpha1", NS, "kvtransfers",
-                                                "kvt")
-        return next((c for c in (t.get("status") or {}).get("conditions", [])
-                     if c["type"] == "Ready" and c["status"] == "True"), {})
-
-    cond = wait_until(ready_cond, timeout=60, what="KVTransfer Ready")
-    say(f"KVTransfer kvt Ready: {cond['message']}")
-
-    n = 64   # every block of both groups: 4 regions x 64 x 16 KiB, one region a DRAM pool
-    local = [list(range(n)), list(range(n))]
-    remote = [list(reversed(range(n))), list(range(n))]
-    rates = []
-    for i in range(5):
-        rid = f"demo-{i}"
-        p.call("hold", request_ids=[rid])
-        d.call("clear")
-        res = d.call("pull", request_id=rid, remote_engine_id="prefill-engine",
-                     local_block_ids=local, remote_block_ids=remote, verify_seed=42)
-        if not (res["ok"] and res["verified"]):
-            say(f"transfer {rid} FAILED: {res}")
-            return 1
-        wait_until(lambda rid=rid: rid in p.call("completions")["finished"], timeout=10,
-                   what=f"{rid} completion at the prefill")
-        rates.append(res["gbps"])
-    say(f"grouped + mixed-memory pull: {res['nbytes'] / 2**20:.1f} MiB, {res['descs']} "
-        f"descriptors in {res['parts']} parts (VRAM<-VRAM and DRAM<-VRAM), byte-exact; "
-        f"median {statistics.median(rates):.2f} GB/s over {len(rates)} requests; "
-        "prefill got every completion notification")
-
-    show_admission(cluster, custom, sa)
-
-    bad = SimPod(cluster, NS, "decode-bad", role="decode", engine_id="decode-bad",
-                 preset="bad-block", sa=sa)
-    pods.append(bad)
-    bad.start()
-    say("started decode-bad (block length 8 KiB instead of 16 KiB) ...")
-
-    def refused() -> dict:
-        st = custom.get_namespaced_custom_object(
-            "kvbridge.io", "v1alpha1", NS, "kvendpoints", "decode-bad").get("status") or {}
-        return st if st.get("state") == "Incompatible" else {}
-
-    st = wait_until(refused, timeout=60, what="decode-bad refused")
-    say(f"decode-bad refused: {st['reason']}: {st['message'][:300]}")
-
-    print(k("get", "kvtransfers,kvendpoints", "-n", NS, "-o", "wide").stdout, flush=True)
-    say("demo finished")
-    return 0
+    return Stage(cluster, start_pod)
 
 
 def register_webhook(cluster: kc.LocalCluster, op: subprocess.Popen, port: int, ca: bytes,
@@ -218,7 +340,6 @@ def register_webhook(cluster: kc.LocalCluster, op: subprocess.Popen, port: int, 
     """Wait for the operator's webhook server, register the ValidatingWebhookConfiguration
     (URL form, the caller's CA) and wait until the apiserver calls it."""
     from kubernetes import client
-    from kubernetes.client.exceptions import ApiException
     from sim import wait_until
 
     from kvbridge_operator.webhook import webhook_configuration
@@ -240,6 +361,15 @@ def register_webhook(cluster: kc.LocalCluster, op: subprocess.Popen, port: int, 
         reg.delete_validating_webhook_configuration("kvbridge-validation")
 
     cleanup.append(unregister)
+    wait_webhook_answering(cluster)
+
+
+def wait_webhook_answering(cluster: kc.LocalCluster) -> None:
+    """Until the apiserver calls the webhook: a dry run only the webhook refuses."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+    from sim import wait_until
+
     custom = client.CustomObjectsApi(cluster.api_client())
     probe = {"apiVersion": "kvbridge.io/v1alpha1", "kind": "KVTransfer",
              "metadata": {"name": "webhook-probe"},
@@ -247,7 +377,7 @@ def register_webhook(cluster: kc.LocalCluster, op: subprocess.Popen, port: int, 
                       "prefill": {"tensorParallelSize": 1},
                       "decode": {"tensorParallelSize": 1}}}
 
-    def answering() -> bool:   # a dry-run the webhook (and only the webhook) refuses
+    def answering() -> bool:
         try:
             custom.create_namespaced_custom_object("kvbridge.io", "v1alpha1", NS,
                                                    "kvtransfers", probe, dry_run="All")
@@ -255,7 +385,7 @@ def register_webhook(cluster: kc.LocalCluster, op: subprocess.Popen, port: int, 
             return exc.status == 422 and "spec.protocolVersion" in exc.body
         return False
 
-    wait_until(answering, timeout=30, interval=0.2, what="the apiserver to call the webhook")
+    wait_until(answering, timeout=60, interval=0.5, what="the apiserver to call the webhook")
 
 
 def show_admission(cluster: kc.LocalCluster, custom: object, sa: str) -> None:
