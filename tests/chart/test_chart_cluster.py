@@ -1,7 +1,8 @@
 """The chart on a real local control plane (kube-apiserver v1.20.2): server-side dry run,
 install, upgrade, uninstall, and what the installed ServiceAccounts may and may not do.
 
-There is no kubelet here: the operator Deployment's pods stay Pending, which is expected.
+There is no kubelet here: the operator Deployment's pods stay Pending, which is expected
+(tests/node runs the chart on a real node).
 """
 
 from __future__ import annotations

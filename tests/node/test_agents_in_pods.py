@@ -77,8 +77,11 @@ def test_agent_pods_publish_pair_and_transfer_byte_exact(api: Api, node: Any,
     assert result["nbytes"] == 4 * 64 * 16384
     decode_log = api.core.read_namespaced_pod_log(agents["decode"], AGENT_NS)
     transports = ucx_transports(decode_log)
-    log.warning("pod-to-pod pull: %d bytes in %.2f ms = %.3f GB/s; UCX transports %s",
-                result["nbytes"], result["seconds"] * 1e3, result["gbps"], sorted(transports))
+    selections = [line.strip() for line in decode_log.splitlines()
+                  if any(f"{t}/" in line for t in transports)]  # fmt: skip
+    log.warning("pod-to-pod pull: %d bytes in %.2f ms = %.3f GB/s; UCX transports %s:\n%s",
+                result["nbytes"], result["seconds"] * 1e3, result["gbps"], sorted(transports),
+                "\n".join(selections[:12]))
     assert transports, "UCX reported no protocol selection (UCX_PROTO_INFO=y)"
 
 
