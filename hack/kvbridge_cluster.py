@@ -5,7 +5,10 @@ namespace, service-account and workload controllers) as child processes on free 
 ports, with a temporary data directory, an admin token, RBAC authorization and service-account
 signing keys, and writes an admin kubeconfig. ``FakeKubelet`` plays the node: it registers
 Ready Nodes, binds Pending pods, marks them Running/Ready with a podIP and finishes pod
-deletion (there is no real kubelet). Binaries come from ``hack/test-stack.sh ensure``.
+deletion. With ``real_nodes=True`` it also runs kube-scheduler and serves real kubelets
+(``hack/kvbridge_node.py``): ServiceAccount admission with pod-bound tokens, the ``kubernetes``
+Service's endpoints, and the endpoint, root-CA and node-lifecycle controllers. Binaries come
+from ``hack/test-stack.sh ensure``.
 
 Threads: ``FakeKubelet`` runs one daemon thread with a pod watch (reconnecting on expiry);
 ``stop()`` sets an event and closes the watch. Every wait has a deadline.
@@ -40,8 +43,9 @@ KUBE_VERSION = "v1.20.2"
 CACHE = Path(os.environ.get("KVB_CACHE", "/var/cache/kvbridge"))
 HACK_DIR = Path(__file__).resolve().parent
 ENSURE_HINT = (
-    f"run `bash {HACK_DIR / 'test-stack.sh'} ensure` as root first (builds kube-apiserver "
-    f"{KUBE_VERSION} once, ~7-10 minutes, and fetches kubectl/helm)"
+    f"run `bash {HACK_DIR / 'test-stack.sh'} ensure` as root first (builds Kubernetes "
+    f"{KUBE_VERSION}'s control plane, kubelet and kube-proxy once, ~8 minutes, installs the "
+    f"node's containerd, and fetches kubectl/helm)"
 )
 
 

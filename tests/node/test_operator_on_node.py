@@ -30,11 +30,16 @@ from kvbridge_operator import testing as manifests
 pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.slow]
 
 
-def operator_pod(api: Api) -> Any:
+def operator_pods(api: Api) -> list[Any]:
+    """The operator's pods that are not being deleted."""
     pods = api.core.list_namespaced_pod(
         OPERATOR_NS, label_selector="app.kubernetes.io/component=operator").items
-    live = [p for p in pods if p.metadata.deletion_timestamp is None]
-    assert len(live) == 1, [p.metadata.name for p in pods]
+    return [p for p in pods if p.metadata.deletion_timestamp is None]
+
+
+def operator_pod(api: Api) -> Any:
+    live = operator_pods(api)
+    assert len(live) == 1, [p.metadata.name for p in live]
     return live[0]
 
 
@@ -113,8 +118,9 @@ def test_deleted_operator_pod_is_recreated_and_statuses_stay(api: Api, kube: Kub
     before = statuses(api)
     old = operator_pod(api)
     api.core.delete_namespaced_pod(old.metadata.name, OPERATOR_NS)
-    new = wait_for(lambda: (lambda p: p if p.metadata.uid != old.metadata.uid else None)(
-        operator_pod(api)), timeout=60, what="a replacement operator pod")  # fmt: skip
+    new = wait_for(lambda: next((p for p in operator_pods(api)
+                                 if p.metadata.uid != old.metadata.uid), None),
+                   timeout=60, what="a replacement operator pod")  # fmt: skip
     wait_pod_ready(api, OPERATOR_NS, new.metadata.name, timeout=120)
     wait_rollout(kube)
     assert statuses(api) == before
