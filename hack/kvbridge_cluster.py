@@ -90,6 +90,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def terminate(proc: subprocess.Popen[Any], timeout: float) -> None:
+    """SIGTERM, then SIGKILL if ``proc`` is still there after ``timeout`` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
 def _run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw)
 
@@ -260,13 +271,7 @@ class LocalCluster:
         """Terminate the children in reverse start order (idempotent) and remove temp data."""
         # One at a time: an apiserver shutting down still writes to etcd (its endpoint lease).
         for p in reversed(self._procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
+            terminate(p, timeout=10)
         self._procs.clear()
         if self._owns_workdir and self.workdir is not None and not os.environ.get("KVB_KEEP"):
             shutil.rmtree(self.workdir, ignore_errors=True)

@@ -49,7 +49,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbridge_cluster import CACHE, ENSURE_HINT, KUBE_VERSION, LocalCluster, StackMissingError
+from kvbridge_cluster import (
+    CACHE,
+    ENSURE_HINT,
+    KUBE_VERSION,
+    LocalCluster,
+    StackMissingError,
+    terminate,
+)
 
 log = logging.getLogger("kvbridge.node")
 
@@ -457,14 +464,8 @@ class RealNode:
 
     def _terminate(self, name: str) -> None:
         proc = self._procs.pop(name, None)
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        if proc is not None:
+            terminate(proc, timeout=15)
 
     def _remove_tasks(self) -> None:
         if "containerd" not in self._procs:
