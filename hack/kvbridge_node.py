@@ -25,9 +25,14 @@ Usage (the link comes first: the apiserver binds its host end)::
     finally:
         node.stop()  # idempotent; also removes the link if the cluster never came up
 
-``RealNode.stop`` deletes every pod first (so the kubelet tears sandboxes down through CNI),
-stops the daemons, then removes what is left: shims, mounts, cgroups, network namespaces,
-the link and the routes. ``leftovers()`` reports anything that survived; tests assert on it.
+containerd's content store and snapshots are kept in the cache (``RealNode.containerd_root``)
+so a node starts in seconds when the images did not change; its state (tasks, mounts, sockets)
+lives under RUN_DIR and goes with the node.
+
+``RealNode.stop`` cordons the node and deletes every pod first (so the kubelet tears sandboxes
+down through CNI), stops the daemons, then removes what is left: shims, mounts, cgroups,
+network namespaces, the link and the routes. ``leftovers()`` reports anything that survived;
+tests assert on it.
 
 Binaries: kubelet and kube-proxy from ``hack/test-stack.sh ensure``; containerd, runc, CNI
 plugins and ``ctr`` from Debian (installed by the same script).
@@ -233,6 +238,9 @@ class RealNode:
 
     cluster: LocalCluster | None = field(default=None, repr=False)
     service_cidr: str = SERVICE_CIDR
+    #: containerd's content store and snapshots: kept between runs, so unchanged images are
+    #: not unpacked again (its state, with every running task, lives under RUN_DIR).
+    containerd_root: Path = CACHE / "node" / "containerd"
 
     def __post_init__(self) -> None:
         if self.workdir is None:
@@ -315,7 +323,7 @@ class RealNode:
         (cni_conf / "10-kvbridge.conflist").write_text(
             json.dumps(cni_config(self.workdir / "cni-ipam"), indent=1))
         config = self.workdir / "containerd.toml"
-        config.write_text(containerd_config(self.workdir / "containerd", RUN_DIR / "containerd",
+        config.write_text(containerd_config(self.containerd_root, RUN_DIR / "containerd",
                                             self.socket, cni_conf, self.binaries.cni_dir))
         self._spawn("containerd", _in_node(str(self.binaries.containerd), "--config",
                                            str(config), "--log-level", "warn"))
@@ -334,6 +342,9 @@ class RealNode:
                    *args, check=check, timeout=timeout)  # fmt: skip
 
     def _import_images(self) -> None:
+        # Containers a crashed run left in the kept store would come back as ghost sandboxes.
+        for old in self.ctr("containers", "ls", "-q").stdout.split():
+            self.ctr("containers", "rm", old, check=False)
         for archive in self.images:
             try:
                 self.ctr("images", "import", str(archive), timeout=300)
@@ -441,12 +452,14 @@ class RealNode:
             self._drain(time.monotonic() + 60)
 
     def _drain(self, deadline: float) -> None:
-        """Delete every pod bound to this node and wait until containerd runs no sandbox, so
-        the kubelet tears each down through CNI (address released, veth gone)."""
+        """Cordon the node, delete every pod bound to it and wait until containerd runs no
+        sandbox, so the kubelet tears each down through CNI (address released, veth gone)."""
         from kubernetes import client
 
         assert self.cluster is not None
         core = client.CoreV1Api(self.cluster.api_client())
+        # Cordon first: a Deployment's replacement pods must not land here while it drains.
+        core.patch_node(self.name, {"spec": {"unschedulable": True}})
         pods = core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.name}")
         for pod in pods.items:
             with contextlib.suppress(client.ApiException):
