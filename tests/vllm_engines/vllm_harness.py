@@ -236,8 +236,12 @@ class EngineProcess:
             if remaining <= 0:
                 raise self._error(f"no {what} within {timeout:.0f} s")
             try:
-                line = self._lines.get(timeout=remaining)
+                line = self._lines.get(timeout=min(remaining, 1.0))
             except queue.Empty:
+                # A dead engine whose stdout stays open (a child holds the pipe) fails now.
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise self._error(f"exited ({self.proc.returncode}) while waiting for "
+                                      f"{what}") from None
                 continue
             if line is None:
                 self._lines.put(None)  # later calls see EOF too
