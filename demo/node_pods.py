@@ -59,6 +59,20 @@ def agent_pod(name: str, role: str, image: str, *, engine_id: str | None = None,
     }  # fmt: skip
 
 
+def image_values(image: str) -> list[str]:
+    """``helm --set`` arguments that run the chart's operator from a locally imported image."""
+    repository, tag = image.rsplit(":", 1)
+    return ["--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+            "--set", "image.pullPolicy=Never"]  # fmt: skip
+
+
+def ready_pod(core: Any, namespace: str, name: str) -> Any:
+    """The pod when its Ready condition is True, else None (one check, for a poll loop)."""
+    pod = core.read_namespaced_pod(name, namespace)
+    conditions = {c.type: c.status for c in pod.status.conditions or []}
+    return pod if conditions.get("Ready") == "True" else None
+
+
 def agent_call(pod_ip: str, cmd: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
     """One JSON-line command to a pod agent's control port (a fresh connection each time)."""
     with socket.create_connection((pod_ip, CONTROL_PORT), timeout=timeout) as conn:

@@ -201,7 +201,7 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
     """A real node; the chart's operator Deployment and the serving pods run as containers."""
     import kvbridge_node as kn
     from kubernetes import client
-    from node_pods import NodePod, agent_pod, ucx_transports
+    from node_pods import NodePod, agent_pod, image_values, ready_pod, ucx_transports
     from sim import wait_until
 
     node_binaries = kn.NodeBinaries.find()
@@ -224,15 +224,12 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
         f"(kubelet {kc.KUBE_VERSION}, containerd, images {', '.join(node.image_names()[:3])})")
 
     k("create", "namespace", NS)
-    repository, tag = images["KVB_IMAGE_OPERATOR"].rsplit(":", 1)
-    say(f"helm install kvbridge charts/kvbridge --set image.repository={repository} "
-        f"--set image.tag={tag} --wait ...")
+    values = image_values(images["KVB_IMAGE_OPERATOR"])
+    say(f"helm install kvbridge charts/kvbridge {' '.join(values)} --wait ...")
     subprocess.run(
         [str(binaries.helm), "install", RELEASE, str(REPO / "charts" / "kvbridge"),
          "--kubeconfig", str(cluster.kubeconfig), "-n", SYS_NS, "--create-namespace",
-         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-         "--set", "image.pullPolicy=Never", "--set", f"agent.namespaces={{{NS}}}",
-         "--wait", "--timeout=180s"],
+         *values, "--set", f"agent.namespaces={{{NS}}}", "--wait", "--timeout=180s"],
         check=True, capture_output=True, text=True, timeout=240)
     wait_webhook_answering(cluster)
     say("operator Deployment Ready (non-root, read-only root filesystem, in-cluster token); "
@@ -244,13 +241,8 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
         core.create_namespaced_pod(NS, agent_pod(
             name, role, images["KVB_IMAGE_AGENT"], engine_id=engine, preset=preset, seed=seed,
             service_account=f"{RELEASE}-agent"))
-
-        def ready() -> Any:
-            pod = core.read_namespaced_pod(name, NS)
-            conds = {c.type: c.status for c in pod.status.conditions or []}
-            return pod if conds.get("Ready") == "True" else None
-
-        pod = wait_until(ready, timeout=120, interval=0.5, what=f"pod {name} Ready")
+        pod = wait_until(lambda: ready_pod(core, NS, name), timeout=120, interval=0.5,
+                         what=f"pod {name} Ready")
         handle = NodePod(name, pod.status.pod_ip, engine_id=engine, preset=preset)
         status = handle.status()
         return handle, (f"container on {pod.spec.node_name}, pod IP {pod.status.pod_ip}, "

@@ -13,12 +13,11 @@ import pytest
 import yaml
 from chartlib import CHART, Kube
 from kvb_e2e import Api, wait_for
-from node_pods import agent_pod
+from node_pods import agent_pod, image_values
 from nodelib import (
     AGENT_NS,
     OPERATOR_NS,
     RELEASE,
-    image_values,
     preflighted,
     wait_pod_ready,
     wait_rollout,
@@ -85,7 +84,8 @@ def release(kube: Kube, images: dict[str, str]) -> Iterator[str]:
     """The chart, unmodified, installed with the local operator image; agents in AGENT_NS."""
     kube.create_namespace(OPERATOR_NS)
     kube.create_namespace(AGENT_NS)
-    kube.helm("install", RELEASE, str(CHART), "-n", OPERATOR_NS, *image_values(images),
+    kube.helm("install", RELEASE, str(CHART), "-n", OPERATOR_NS,
+              *image_values(images["KVB_IMAGE_OPERATOR"]),
               "--set", f"agent.namespaces={{{AGENT_NS}}}", timeout=180)  # fmt: skip
     wait_rollout(kube)
     # Ready pods are not yet a reachable Service: wait until kube-proxy routes the API

@@ -12,16 +12,10 @@ from typing import Any
 
 from chartlib import Kube
 from kvb_e2e import Api, wait_for
-from node_pods import agent_call
+from node_pods import agent_call, ready_pod
 
 AGENT_NS = "kvb-agents"
 RELEASE, OPERATOR_NS = "kvbridge", "kvbridge-system"
-
-
-def image_values(images: dict[str, str], tag_key: str = "KVB_IMAGE_OPERATOR") -> list[str]:
-    repository, tag = images[tag_key].rsplit(":", 1)
-    return ["--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-            "--set", "image.pullPolicy=Never"]  # fmt: skip
 
 
 def wait_rollout(kube: Kube, timeout: int = 180) -> None:
@@ -41,12 +35,8 @@ def pod_ip(api: Api, ns: str, name: str) -> str:
 
 
 def wait_pod_ready(api: Api, ns: str, name: str, timeout: float = 120) -> Any:
-    def ready() -> Any:
-        pod = api.core.read_namespaced_pod(name, ns)
-        conds = {c.type: c.status for c in pod.status.conditions or []}
-        return pod if conds.get("Ready") == "True" else None
-
-    return wait_for(ready, timeout=timeout, interval=0.5, what=f"pod {ns}/{name} Ready")
+    return wait_for(lambda: ready_pod(api.core, ns, name), timeout=timeout, interval=0.5,
+                    what=f"pod {ns}/{name} Ready")  # fmt: skip
 
 
 def preflighted(api: Api, pod: str) -> bool:

@@ -13,12 +13,12 @@ import pytest
 import yaml
 from chartlib import CHART, Kube
 from kvb_e2e import Api, wait_for
+from node_pods import image_values
 from nodelib import (
     AGENT_NS,
     OPERATOR_NS,
     RELEASE,
     container_pid,
-    image_values,
     process_identity,
     token_claims,
     wait_pod_ready,
@@ -135,7 +135,7 @@ def test_helm_upgrade_to_new_tag_rolls_operator_and_keeps_state(
     new_image = images["KVB_IMAGE_OPERATOR"].rsplit(":", 1)[0] + ":upgrade"
     node.tag(images["KVB_IMAGE_OPERATOR"], new_image)
     kube.helm("upgrade", RELEASE, str(CHART), "-n", OPERATOR_NS, "--reuse-values",
-              *image_values({"KVB_IMAGE_OPERATOR": new_image}), timeout=180)  # fmt: skip
+              *image_values(new_image), timeout=180)  # fmt: skip
     wait_rollout(kube)
     pod = operator_pod(api)
     assert pod.metadata.uid != old.metadata.uid
