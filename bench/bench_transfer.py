@@ -39,6 +39,8 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
 from _common import best_time, emit
 
 REPS = int(os.environ.get("KVB_BENCH_REPS", "25"))
+#: Comma-separated case names to run (default: all), e.g. ``KVB_BENCH_CASES=small_request``.
+CASES = [c for c in os.environ.get("KVB_BENCH_CASES", "").split(",") if c]
 GAP = 1 << 16   # bytes between regions, so no two regions are adjacent in memory
 
 
@@ -287,7 +289,12 @@ def main() -> None:
     }
     pools_of = {"large": (d_large, src_large), "ds": (d_ds, src_ds),
                 "small": (d_small, src_small)}
+    unknown = set(CASES) - set(cases)
+    if unknown:
+        raise SystemExit(f"KVB_BENCH_CASES: unknown {sorted(unknown)}; known: {sorted(cases)}")
     for name, (shape, lids, rids) in cases.items():
+        if CASES and name not in CASES:
+            continue
         pools = pools_of[shape]
         measure_case(name, shape, shapes[shape], descs[shape].engine_id, consumers, pools,
                      lids, rids)
