@@ -101,15 +101,28 @@ class XferHandle:
     released: bool = False
 
 
+class _Detail:
+    """What a transfer call was about, formatted only for an error message."""
+
+    __slots__ = ("descs", "label", "op")
+
+    def __init__(self, op: str, label: str, descs: int) -> None:
+        self.op, self.label, self.descs = op, label, descs
+
+    def __str__(self) -> str:
+        return f"{self.op} {self.label}, {self.descs} descs"
+
+
 class _nixl_call:
     """``with _nixl_call(what, cause):`` turns an exception from NIXL into a typed
     :class:`NixlCallError` (our own errors pass through). A class rather than a
     ``contextlib`` generator: it wraps every call on a transfer's path."""
 
-    __slots__ = ("default", "what")
+    __slots__ = ("default", "detail", "what")
 
-    def __init__(self, what: str, default: FailureCause) -> None:
-        self.what, self.default = what, default
+    def __init__(self, what: str, default: FailureCause, detail: object = None) -> None:
+        # ``detail`` is formatted only on failure: hot calls pass their label unformatted
+        self.what, self.default, self.detail = what, default, detail
 
     def __enter__(self) -> None:
         return None
@@ -118,7 +131,8 @@ class _nixl_call:
         if exc is None or isinstance(exc, DataPlaneError) or not isinstance(exc, Exception):
             return False
         cause = classify(exc, default=self.default)
-        raise NixlCallError(f"{self.what}: {type(exc).__name__}: {exc}", cause) from exc
+        what = self.what if self.detail is None else f"{self.what}({self.detail})"
+        raise NixlCallError(f"{what}: {type(exc).__name__}: {exc}", cause) from exc
 
 
 class NixlAgent:
@@ -302,7 +316,7 @@ class NixlAgent:
         rid = np.ascontiguousarray(remote_ids, dtype=np.int64)
         in_range = lid.size and int(lid.min()) >= 0 and int(lid.max()) < local.size
         nbytes = int(local.table[lid, 1].sum()) if in_range else 0
-        with _nixl_call(f"make_prepped_xfer({op} {label}, {lid.size} descs)", FailureCause.SETUP):
+        with _nixl_call("make_prepped_xfer", FailureCause.SETUP, _Detail(op, label, lid.size)):
             h = self._agent.make_prepped_xfer(op, local.handle, lid, remote.handle, rid, notif)
         x = XferHandle(h, label or op, remote.peer, int(lid.size), nbytes)
         self._xfers.append(x)
@@ -334,32 +348,33 @@ class NixlAgent:
         return x
 
     @staticmethod
-    def _state(status: str, what: str) -> XferState:
+    def _state(status: str, what: str, x: XferHandle) -> XferState:
         if status == "DONE":
             return XferState.DONE
         if status == "PROC":
             return XferState.IN_PROGRESS
-        raise NixlCallError(f"{what}: NIXL reported state {status!r}", FailureCause.TRANSFER)
+        raise NixlCallError(f"{what}({x.label}): NIXL reported state {status!r}",
+                            FailureCause.TRANSFER)
 
     def post(self, x: XferHandle, notif: bytes = b"") -> XferState:
         """Post a transfer. With CMA on one host the copy happens inside this call."""
-        with _nixl_call(f"transfer({x.label})", FailureCause.TRANSFER):
+        with _nixl_call("transfer", FailureCause.TRANSFER, x.label):
             status = self._agent.transfer(x.handle, notif) if notif else self._agent.transfer(
                 x.handle)
-        return self._state(status, f"transfer({x.label})")
+        return self._state(status, "transfer", x)
 
     def state(self, x: XferHandle) -> XferState:
         """Poll a posted transfer. Raises NixlCallError on failure (never returns 'ERR')."""
-        with _nixl_call(f"check_xfer_state({x.label})", FailureCause.TRANSFER):
+        with _nixl_call("check_xfer_state", FailureCause.TRANSFER, x.label):
             status = self._agent.check_xfer_state(x.handle)
-        return self._state(status, f"check_xfer_state({x.label})")
+        return self._state(status, "check_xfer_state", x)
 
     def release(self, x: XferHandle) -> None:
         """Release a transfer (cancels it if in flight). Idempotent; raises if NIXL refuses,
         in which case the handle stays owned and must be kept (its DMA may still run)."""
         if x.released:
             return
-        with _nixl_call(f"release({x.label})", FailureCause.TRANSFER):
+        with _nixl_call("release", FailureCause.TRANSFER, x.label):
             x.handle.release()
         x.released = True
         if x in self._xfers:
@@ -371,7 +386,7 @@ class NixlAgent:
 
     # -- notifications --------------------------------------------------------------------
     def send_notif(self, peer: str, message: bytes) -> None:
-        with _nixl_call(f"send_notif({peer})", FailureCause.TRANSFER):
+        with _nixl_call("send_notif", FailureCause.TRANSFER, peer):
             self._agent.send_notif(peer, message)
 
     def get_notifs(self) -> dict[str, list[bytes]]:

@@ -33,6 +33,9 @@ class PollResult:
         return {r.request_id for r in self.failed}
 
 
+_NOTHING = PollResult()
+
+
 class TransferEngine:
     """Base of :class:`PullEngine` and :class:`PushEngine`: requests are started by the
     subclass, then advanced by :meth:`poll` or :meth:`wait`, each reported exactly once."""
@@ -81,6 +84,8 @@ class TransferEngine:
         """Non-blocking: advance every request; report those finished/failed since the last
         call (each exactly once)."""
         results = self._transfers.poll()
+        if not results:           # most engine steps: nothing ended
+            return _NOTHING
         return PollResult(
             finished=tuple(r for r in results if isinstance(r, TransferDone)),
             failed=tuple(r for r in results if isinstance(r, TransferFailure)))

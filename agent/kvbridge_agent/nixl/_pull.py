@@ -54,6 +54,7 @@ from ._peers import RemotePeer
 from ._producer import DEFAULT_LEASE_S
 from ._readplan import plan_read_ids
 from ._remote import RemoteEngine
+from ._route import ReadRoute, route_eligible
 
 __all__ = ["DEFAULT_COALESCE", "PollResult", "PullEngine", "PullRequest"]
 
@@ -120,6 +121,8 @@ class PullEngine(TransferEngine):
         self._notif_ids: dict[str, str] = {}
         self._read_geo: dict[tuple[int, geo.TPMapping], tuple[np.ndarray, np.ndarray]] = {}
         self._mappings: dict[int, geo.TPMapping] = {}
+        #: per remote engine: its ReadRoute, or None when its requests need the planner
+        self._routes: dict[str, ReadRoute | None] = {}
 
     # -- peers ---------------------------------------------------------------------------
     def add_remote(self, desc: RemoteEngine) -> str:
@@ -128,11 +131,54 @@ class PullEngine(TransferEngine):
         old = self.peers.ranks(desc.engine_id).get(desc.tp_rank)
         if old is not None:
             self.heartbeats.forget_peer(old.agent_name)
-        return self.peers.add(desc).agent_name
+        self._routes.pop(desc.engine_id, None)
+        name = self.peers.add(desc).agent_name
+        self._prepare(desc.engine_id)
+        return name
 
     def remove_remote(self, engine_id: str, tp_rank: int | None = None) -> None:
+        self._routes.pop(engine_id, None)
         for name in self.peers.remove(engine_id, tp_rank):
             self.heartbeats.forget_peer(name)
+
+    def _prepare(self, engine_id: str) -> None:
+        """Build the engine's route (its lists prepared) now, off the request path: the
+        handshake or the operator's preflight pays for it, not the first request. A rank
+        still missing (TP > 1) or a NIXL refusal leaves it to the first request, which
+        then reports the problem as its own failure."""
+        try:
+            self._route(engine_id)
+        except Exception as exc:
+            self._routes.pop(engine_id, None)
+            log.debug("route to %s not prepared yet: %s", engine_id, exc)
+
+    def _route(self, engine_id: str) -> ReadRoute | None:
+        """The cached route to ``engine_id``, or None if its requests need the planner."""
+        if engine_id in self._routes:
+            return self._routes[engine_id]
+        local = self.local
+        peer = self.peers.any_rank(engine_id)
+        desc = peer.desc
+        mapping = self._tp_mapping(desc.tp_size)
+        route = None
+        if route_eligible(
+                local_group_ids=local.plan.group_ids.tolist(),
+                remote_group_ids=desc.region_group_ids,
+                local_block_size=local.facts.block_size, remote_block_size=desc.block_size,
+                local_kinds=local.lists(1).index.mem_types, remote_kinds=peer.index.mem_types,
+                source_ranks=len(mapping.source_ranks), notify_ranks=len(mapping.notify_ranks),
+                split_reads=mapping.split_reads):
+            source = self.peers.get(engine_id, mapping.source_ranks[0])
+            (lkind, llist), = local.lists(1).by_kind.items()
+            (rkind, rlist), = self._remote_lists(source, 1, mapping).items()
+            route = ReadRoute(
+                agent_name=source.agent_name, local_list=llist, remote_list=rlist,
+                local_layout=local.desc_layout(1, False), remote_layout=source.layout(False),
+                local_ppl=local.facts.ppl, remote_ppl=source.desc.ppl,
+                local_consumers=mapping.local_consumers,
+                label=f"{lkind}<-{rkind}@{source.agent_name}")
+        self._routes[engine_id] = route
+        return route
 
     def expect(self, remote_request_id: str, remote_engine_id: str) -> None:
         """Heartbeat a request the producer holds for us before its read starts."""
@@ -155,6 +201,8 @@ class PullEngine(TransferEngine):
 
     def _start(self, req: PullRequest, tracked: object) -> None:
         self._notif_ids[req.request_id] = req.notif_id
+        if not self.coalesce and self._start_routed(req, tracked):
+            return
         local = self.local
         any_peer = self.peers.any_rank(req.remote_engine_id)
         mapping = self._tp_mapping(any_peer.desc.tp_size)
@@ -212,6 +260,22 @@ class PullEngine(TransferEngine):
                 self._transfers.defer_notif(tracked, peer.agent_name, message)
         for peer in notify_only:
             self._transfers.defer_notif(tracked, peer.agent_name, message)
+
+    def _start_routed(self, req: PullRequest, tracked: object) -> bool:
+        """Post ``req`` as one READ over its engine's cached route; False (nothing done)
+        when the request needs the general planner."""
+        route = self._route(req.remote_engine_id)
+        if route is None or not any(len(g) for g in req.local_block_ids):
+            return False
+        ids = route.read_ids(req.local_block_ids, req.remote_block_ids)
+        if ids is None:
+            return False
+        notif_id = req.notif_id
+        self.heartbeats.track(route.agent_name, notif_id)
+        x = self.agent.make_prepped("READ", route.local_list, ids[0], route.remote_list, ids[1],
+                                    label=f"{req.request_id} {route.label}")
+        self._transfers.post(tracked, x, completion_message(notif_id, route.local_consumers))
+        return True
 
     def _tp_mapping(self, remote_tp: int) -> geo.TPMapping:
         """How this rank reads a remote engine of ``remote_tp`` ranks (pure; cached)."""

@@ -124,7 +124,8 @@ class AgentService:
                 f"{sorted(set(self.plan.mem_types))}); use mode pull or one memory type")
         try:
             self.agent = NixlAgent(
-                self.agent_name, AgentConfig(mem_types=s.mem_types or PRODUCTION_MEM_TYPES),
+                self.agent_name, AgentConfig(mem_types=s.mem_types or PRODUCTION_MEM_TYPES,
+                                             num_threads=s.nixl_threads),
                 nixl=self._nixl)
             self.local = LocalEngine(self.agent, self.plan, EngineFacts(
                 e.engine_id, tp_rank=e.tp_rank, tp_size=e.tp_size, block_size=e.block_size,
@@ -450,7 +451,9 @@ class AgentService:
     def take_pull_results(self) -> list[TransferResult]:
         """Pulls started by :meth:`start_pull` that ended (finished or failed) as of the last
         poll (:meth:`progress`, or the progress thread's), each reported once."""
-        out = []
+        out: list[TransferResult] = []
+        if not self._results:      # the common step: nothing ended (a racy read only delays)
+            return out
         with self._lock:
             for rid in [r for r in self._async if r in self._results]:
                 self._async.discard(rid)
@@ -674,9 +677,9 @@ class AgentService:
     def completions(self, *, poll: bool = True) -> dict[str, list[str]]:
         """The waiting side (prefill in pull mode, decode in push mode): requests completed
         or expired since the last call (``poll=False``: right after :meth:`progress`)."""
+        if self.tracker is None:       # set once at start: no lock needed to read it
+            return {"finished": [], "expired": []}
         with self._lock:
-            if self.tracker is None:
-                return {"finished": [], "expired": []}
             if poll:
                 self._poll_locked()
             finished = sorted(self.tracker.take_finished())

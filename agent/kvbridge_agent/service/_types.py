@@ -90,6 +90,8 @@ class AgentSettings:
             when the host engine drives :meth:`AgentService.progress` every step (vLLM's
             model runner does): a second thread would only contend for the lock and the GIL
             on the engine's hot path.
+        nixl_threads: UCX worker threads of the NIXL agent (0: NIXL's default). The vLLM
+            connector passes vLLM's own ``num_threads`` (default 4), as vLLM's NIXL worker does.
     """
 
     side_channel_host: str = "127.0.0.1"
@@ -104,6 +106,7 @@ class AgentSettings:
     serve_side_channel: bool = True
     producer_too: bool = False
     progress_thread: bool = True
+    nixl_threads: int = 0
 
 
 @dataclass(frozen=True)

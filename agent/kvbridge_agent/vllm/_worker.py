@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -98,13 +98,16 @@ class KVBridgeWorker:
         self.handshake_timeout_s = float(extra.get("kvbridge_handshake_timeout_s", 5.0))
         self.lease_s = float(extra.get("kv_lease_duration", 30))
         self.enforce_hash = bool(extra.get("enforce_handshake_compat", True))
+        # vLLM's NIXL worker reads the same key with the same default (UCX worker threads)
+        self.nixl_threads = int(extra.get("num_threads", 4))
         self.service: AgentService | None = None
         self.sync: Any = None
         self.kv_caches: dict[str, Any] = {}
         self.xfer_handshake_metadata: NixlHandshakePayload | None = None
         self._recving: dict[str, ReqMeta] = {}        # reported when their pull ends
         self._awaiting_handshake: dict[str, list[tuple[str, ReqMeta]]] = {}
-        self._handshakes: queue.Queue[_Handshake] = queue.Queue()
+        #: finished handshakes, from the handshake thread (deque: thread-safe, no lock)
+        self._handshakes: deque[_Handshake] = deque()
         self._handshaking: set[str] = set()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-handshake")
         self._failed: set[str] = set()
@@ -133,7 +136,7 @@ class KVBridgeWorker:
             advertise_host=env.get("POD_IP") or host,
             handshake_timeout_s=self.handshake_timeout_s,
             transfer_timeout_s=self.transfer_timeout_s, enforce_hash=self.enforce_hash,
-            serve_side_channel=False, progress_thread=False,
+            serve_side_channel=False, progress_thread=False, nixl_threads=self.nixl_threads,
             producer_too=f.kv_role == "kv_both" and self.role == "decode")
         info = EngineInfo(
             f.engine_id, self.role, tp_rank=f.tp_rank, tp_size=f.tp_size, dp_index=f.dp_index,
@@ -244,7 +247,7 @@ class KVBridgeWorker:
         result = self._handshake_now(engine_id, host, port, tp_size)
         with self._lock:
             self._handshaking.discard(engine_id)
-        self._handshakes.put(result)
+        self._handshakes.append(result)
 
     def _handshake_now(self, engine_id: str, host: str, port: int, tp_size: int) -> _Handshake:
         """Handshake with every rank of ``engine_id`` this rank reads from."""
@@ -261,11 +264,8 @@ class KVBridgeWorker:
         return result
 
     def _drain_handshakes(self) -> None:
-        while True:
-            try:
-                done = self._handshakes.get_nowait()
-            except queue.Empty:
-                return
+        while self._handshakes:
+            done = self._handshakes.popleft()
             waiting = self._awaiting_handshake.pop(done.engine_id, [])
             if done.ok:
                 for req_id, meta in waiting:

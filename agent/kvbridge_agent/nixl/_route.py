@@ -1,0 +1,102 @@
+"""The common pull, planned once per peer, so that a request pays only for its own ids.
+
+Most requests of a P/D deployment have one shape: one source rank (equal TP sizes), one
+memory type per side, the same transfer groups and block size on both engines, and per
+group a decode list no longer than the prefill's (the decode's prefix hits shorten it).
+For that shape everything except the block ids is fixed once the peer is loaded: the two
+prepared lists, the descriptor-id layouts and the completion message's consumer count.
+:class:`ReadRoute` holds them; :meth:`ReadRoute.read_ids` turns a request's block ids into
+the paired descriptor ids, the same numbers ``plan_read_ids`` computes (a property test in
+``tests/unit`` compares them), or returns None for a request the general planner handles.
+
+Pure given its inputs: the NIXL lists are built by the pull engine and only carried here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import geometry as geo
+from ._agent import DList
+
+__all__ = ["ReadRoute", "route_eligible"]
+
+
+def route_eligible(
+    *,
+    local_group_ids: Sequence[int],
+    remote_group_ids: Sequence[int],
+    local_block_size: int,
+    remote_block_size: int,
+    local_kinds: Sequence[str],
+    remote_kinds: Sequence[str],
+    source_ranks: int,
+    notify_ranks: int,
+    split_reads: int,
+) -> bool:
+    """Whether every request to this peer has the route's shape, apart from its ids."""
+    return (source_ranks == 1 and notify_ranks == 0 and split_reads == 1
+            and local_block_size == remote_block_size
+            and len(local_kinds) == 1 and len(remote_kinds) == 1
+            and len(remote_group_ids) > 0
+            and tuple(local_group_ids) == tuple(remote_group_ids))
+
+
+@dataclass(frozen=True, eq=False)
+class ReadRoute:
+    """What a request to one eligible peer needs besides its block ids."""
+
+    agent_name: str
+    local_list: DList
+    remote_list: DList
+    local_layout: geo.DescIdLayout
+    remote_layout: geo.DescIdLayout
+    local_ppl: int
+    remote_ppl: int
+    local_consumers: int
+    label: str
+
+    def read_ids(
+        self,
+        local_block_ids: Sequence[Sequence[int]],
+        remote_block_ids: Sequence[Sequence[int]],
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Paired (local, remote) descriptor ids, or None when the request needs the
+        general planner (group counts differ, ids that are not integers, or a group where
+        the decode holds more pages than the prefill sent).
+
+        Raises:
+            BlockIdRangeError / GroupLayoutError: as ``plan_read_ids`` for the same ids.
+        """
+        if len(local_block_ids) != len(remote_block_ids):
+            return None
+        local: list[np.ndarray] = []
+        remote: list[np.ndarray] = []
+        for lg, rg in zip(local_block_ids, remote_block_ids, strict=True):
+            d = _kernel_ids(lg, self.local_ppl)
+            p = _kernel_ids(rg, self.remote_ppl)
+            if d is None or p is None or d.size > p.size:
+                return None
+            local.append(d)
+            remote.append(p[p.size - d.size:])
+        lids = self.local_layout.desc_ids(local)
+        rids = self.remote_layout.desc_ids(remote)
+        if lids.size != rids.size:
+            return None
+        return lids, rids
+
+
+def _kernel_ids(block_ids: Sequence[int], ppl: int) -> np.ndarray | None:
+    """Logical ids as int64 kernel ids (``b*ppl + j``); None if they are not integers."""
+    ids = np.asarray(block_ids)
+    if ids.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if ids.ndim != 1 or ids.dtype.kind != "i":
+        return None
+    ids = ids.astype(np.int64, copy=False)
+    if ppl == 1:
+        return ids
+    return np.add.outer(ids * ppl, np.arange(ppl, dtype=np.int64)).ravel()
