@@ -502,6 +502,7 @@ class TransferRecorder:
                 for req_id in new:   # the connector CPU of the step that started the load
                     if req_id in self._open:
                         self._open[req_id]["start_cpu_us"] = (time.thread_time() - c0) * 1e6
+                        self._open[req_id]["start_wall_us"] = (self._now() - t0) * 1e6
 
         def get_transfer_results(finished_req_ids: Any) -> Any:
             t0, c0 = self._now(), time.thread_time()
@@ -513,6 +514,7 @@ class TransferRecorder:
             self._spend("get_transfer_results", t0, c0)
             done_cpu_us = (time.thread_time() - c0) * 1e6
             now = self._now()
+            done_wall_us = (now - t0) * 1e6
             for req_id in out.finished_recving:
                 rec = self._open.pop(req_id, None)
                 if rec is not None:
@@ -520,6 +522,7 @@ class TransferRecorder:
                     # engine steps (get_transfer_results calls) the load took, this one included
                     rec["steps"] = self.spent["get_transfer_results"][1] - rec.pop("step_start")
                     rec["done_cpu_us"] = done_cpu_us
+                    rec["done_wall_us"] = done_wall_us
                     rec["failed"] = req_id in out.failed_recving
                     self._done.append(rec)
             return out

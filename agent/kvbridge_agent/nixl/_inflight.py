@@ -101,7 +101,8 @@ class Transfers:
         self._reqs[request_id] = req
         return req
 
-    def post(self, req: _Request, x: XferHandle, notif: bytes = b"") -> None:
+    def post(self, req: _Request, x: XferHandle, notif: bytes = b"", *,
+             attached: bool = False) -> None:
         """Post one part. Raises NixlCallError (the caller fails the request); the handle is
         tracked first so a failure still releases it. ``notif`` rides on this part: NIXL
         delivers it to the part's peer only once the part completed (a request of exactly
@@ -112,7 +113,7 @@ class Transfers:
         req.parts += 1
         req.descs += x.num_descs
         req.nbytes += x.nbytes
-        if self.agent.post(x, notif) is XferState.DONE:
+        if self.agent.post(x, b"" if attached else notif) is XferState.DONE:
             self._finish_part(req, x)
 
     def defer_notif(self, req: _Request, peer: str, message: bytes) -> None:

@@ -272,9 +272,10 @@ class PullEngine(TransferEngine):
             return False
         notif_id = req.notif_id
         self.heartbeats.track(route.agent_name, notif_id)
+        message = completion_message(notif_id, route.local_consumers)
         x = self.agent.make_prepped("READ", route.local_list, ids[0], route.remote_list, ids[1],
-                                    label=f"{req.request_id} {route.label}")
-        self._transfers.post(tracked, x, completion_message(notif_id, route.local_consumers))
+                                    notif=message, label=f"{req.request_id} {route.label}")
+        self._transfers.post(tracked, x, message, attached=True)
         return True
 
     def _tp_mapping(self, remote_tp: int) -> geo.TPMapping:
