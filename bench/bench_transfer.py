@@ -7,7 +7,9 @@ and the median of the reps is reported:
 - agent: ``PullEngine.start`` + ``wait`` (id planning, mem-type split, post, poll,
   completion notification) — with coalescing off and on where it matters;
 - raw NIXL: one ``make_prepped_xfer`` over the very same prepared lists and descriptor ids,
-  ``transfer``, poll, release (no planning, no notification);
+  ``transfer``, poll, release (no planning, no notification); for the small-block cases also
+  ``raw_notified``: the same READ carrying the completion notification the protocol requires
+  (the agent's single READ carries it), so the agent's own overhead shows apart from it;
 - memcpy: numpy copy of the same bytes between two buffers of this process.
 
 Cases: one large region; a DeepSeek-like request (61 regions of 73,728-byte blocks, 128
@@ -15,8 +17,9 @@ blocks per region, half of them read) with scattered and with contiguous blocks;
 as a mixed-memory request (consumer regions alternate DRAM/VRAM, CPU map) against the
 unsplit request; a small request (2 scattered 4 KiB blocks in each of 61 regions, 0.5 MB),
 where the agent's fixed per-request cost shows (its lines add the median
-microseconds per request of both contenders and their difference). Buffers are
-pre-faulted. Output: JSON lines (bench/_common.py); higher
+microseconds per request of both contenders and their difference), and the same with 8 and
+32 blocks (2 MB, 8 MB) between it and the large cases. ``KVB_BENCH_CASES=a,b`` runs only
+those cases. Buffers are pre-faulted. Output: JSON lines (bench/_common.py); higher
 ``ratio`` is better for every line.
 """
 
@@ -133,8 +136,10 @@ class Consumer:
         assert isinstance(res, TransferDone), res
         return dt
 
-    def raw(self, engine_id: str, lids: list[int], rids: list[int]) -> float:
-        """One raw prepared NIXL READ over the engine's own lists and the same ids."""
+    def raw(self, engine_id: str, lids: list[int], rids: list[int], notif: bytes = b""
+            ) -> float:
+        """One raw prepared NIXL READ over the engine's own lists and the same ids (with
+        ``notif``: carrying a completion notification, as the agent's single READ does)."""
         from kvbridge_agent.nixl import plan_read_ids
 
         peer = self.engine.peers.any_rank(engine_id)
@@ -146,7 +151,7 @@ class Consumer:
         lidx = ids.local_ids.astype(np.int32)
         ridx = ids.remote_ids.astype(np.int32)
         t = time.perf_counter()
-        h = nixl.make_prepped_xfer("READ", llist.handle, lidx, rlist.handle, ridx)
+        h = nixl.make_prepped_xfer("READ", llist.handle, lidx, rlist.handle, ridx, notif)
         state = nixl.transfer(h)
         deadline = time.monotonic() + 60
         while state == "PROC" and time.monotonic() < deadline:
@@ -180,6 +185,8 @@ def measure_case(name, shape, dims, eid, consumers, pools, lids, rids) -> None:
     contenders = {"agent": functools.partial(main.pull, eid, lo, ro),
                   "raw": functools.partial(main.raw, eid, lo, ro),
                   "memcpy": functools.partial(memcpy_blocks, dst, src, lids, rids)}
+    if shape == "small":
+        contenders["raw_notified"] = functools.partial(main.raw, eid, lo, ro, b"raw:1")
     if shape == "ds":
         contenders["agent_coalesced"] = functools.partial(main.pull, eid, lo, ro, coalesce=True)
         contenders["agent_mixed"] = functools.partial(consumers["ds-mixed"].pull, eid, lo, ro)
@@ -208,10 +215,18 @@ def measure_case(name, shape, dims, eid, consumers, pools, lids, rids) -> None:
     emit(f"transfer.{name}.agent_vs_raw_nixl", gbps["agent"], "GB/s",
          "raw NIXL prepared transfer, same descriptors", ratio("agent", "raw"),
          raw_gbps=round(gbps["raw"], 3), **per_request, **extra)
+    if shape == "small":
+        notified_us = statistics.median(runs["raw_notified"]) * 1e6
+        emit(f"transfer.{name}.agent_vs_raw_nixl_notified", gbps["agent"], "GB/s",
+             "raw NIXL prepared transfer, same descriptors, carrying the same completion "
+             "notification the protocol requires", ratio("agent", "raw_notified"),
+             raw_notified_gbps=round(gbps["raw_notified"], 3),
+             agent_us=per_request["agent_us"], raw_notified_us=round(notified_us, 1),
+             overhead_us=round(per_request["agent_us"] - notified_us, 1), **extra)
     emit(f"transfer.{name}.agent_vs_memcpy", gbps["agent"], "GB/s",
          "numpy memcpy of the same bytes", ratio("agent", "memcpy"),
          memcpy_gbps=round(gbps["memcpy"], 3), **extra)
-    if shape == "small":
+    if name == "small_request":
         plan_cost(name, main, eid, lo, ro)
     if shape != "ds":
         return
@@ -286,6 +301,11 @@ def main() -> None:
         "deepseek_contiguous": ("ds", np.arange(half), np.arange(32, 32 + half)),
         "small_request": ("small", np.sort(rng.choice(64, 2, replace=False)),
                           rng.choice(64, 2, replace=False)),
+        # between the small request and the large cases, so the per-request curve shows
+        "request_8_blocks": ("small", np.sort(rng.choice(64, 8, replace=False)),
+                             rng.choice(64, 8, replace=False)),
+        "request_32_blocks": ("small", np.sort(rng.choice(64, 32, replace=False)),
+                              rng.choice(64, 32, replace=False)),
     }
     pools_of = {"large": (d_large, src_large), "ds": (d_ds, src_ds),
                 "small": (d_small, src_small)}
