@@ -41,6 +41,8 @@ CRD_KINDS = {
     ("kopf.dev/v1", "ClusterKopfPeering"),
     ("kopf.dev/v1", "KopfPeering"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
     ("cert-manager.io/v1", "Certificate"),
     ("cert-manager.io/v1", "Issuer"),
 }

@@ -698,7 +698,8 @@ def test_vllm_pod_example_loads_the_connector_with_one_flag() -> None:
 
 
 def test_package(tmp_path: Path) -> None:
-    """The packaged chart carries its CRDs, schema, README and NOTES, and nothing stray."""
+    """The packaged chart carries its CRDs, schema, README, NOTES and dashboard, and nothing
+    stray."""
     import tarfile
 
     helm("package", str(CHART), "-d", str(tmp_path))
@@ -712,5 +713,7 @@ def test_package(tmp_path: Path) -> None:
         "README.md",
         "templates/NOTES.txt",
         "crds/kvbridge.io_kvtransfers.yaml",
+        "dashboards/kvbridge.json",
     } <= names
-    assert all(n.startswith(("crds/", "templates/")) or "/" not in n for n in names), names
+    assert all(n.startswith(("crds/", "templates/", "dashboards/")) or "/" not in n
+               for n in names), names
