@@ -41,14 +41,16 @@ DASHBOARD = CHART / "dashboards" / "kvbridge.json"
 RULES_TEMPLATE = "templates/prometheusrule.yaml"
 
 #: Chart values that make every alert fire within seconds of its condition (the defaults
-#: wait minutes): `for` of one evaluation or two, windows of one minute.
-FAST_ALERTS = [
-    *(f"prometheusRule.alerts.{a}.for=2s" for a in (
-        "transferDegraded", "transferNotReady", "incompatibleEndpoints", "handshakeFailures",
-        "transferFailures", "operatorAbsent", "operatorNotReconciling")),
-    *(f"prometheusRule.alerts.{a}.window=1m" for a in (
-        "handshakeFailures", "transferFailures", "operatorNotReconciling")),
-]
+#: wait minutes): a `for` of two evaluations. Windows keep their defaults (10-15 minutes), so
+#: whatever happened since Prometheus started counts.
+FAST_ALERTS = [f"prometheusRule.alerts.{a}.for=2s" for a in (
+    "transferDegraded", "transferNotReady", "incompatibleEndpoints", "handshakeFailures",
+    "transferFailures", "operatorAbsent", "operatorNotReconciling")]
+#: Scrape jobs as the chart's monitors make them: the operator's ServiceMonitor (job
+#: "<release>-metrics", honorLabels so the KVTransfers' namespace label stays) and the agents'
+#: PodMonitor (target labels namespace and pod).
+OPERATOR_JOB, AGENT_JOB = "kvbridge-metrics", "kvbridge-agents"
+JOBS = {OPERATOR_JOB: {"honor_labels": True}, AGENT_JOB: {}}
 
 
 class PrometheusMissingError(RuntimeError):
@@ -252,3 +254,19 @@ class Prometheus:
         states = {a["state"] for a in self.alerts() if a["labels"].get("alertname") == name
                   and all(a["labels"].get(k) == v for k, v in labels.items())}
         return "firing" if "firing" in states else "pending" if states else "inactive"
+
+
+def selectors(expr: str) -> list[str]:
+    """The vector selectors (metric name and matchers) of a kvbridge alert or panel query."""
+    return [m.group(0) for m in re.finditer(r"\b(kvbridge_[a-z_]+|up)\b(\{[^}]*\})?", expr)]
+
+
+def signal(expr: str) -> str | None:
+    """An alert expression without its final threshold (``X > 0.1`` -> ``X``; ``absent(X)``
+    -> ``X``): what must return data while things are healthy. None for compound ones."""
+    e = " ".join(expr.split())
+    m = re.fullmatch(r"absent\((.*)\)", e)
+    if m:
+        return m.group(1)
+    m = re.fullmatch(r"(.*\S)\s*(?:>|==|<)\s*[0-9.]+", e)
+    return m.group(1) if m else None

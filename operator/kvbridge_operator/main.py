@@ -45,6 +45,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # kopf logs every successful handler call at INFO; with a watch event per endpoint
     # change that drowns the operator's own messages. Failures still log at WARNING+.
     logging.getLogger("kopf.objects").setLevel(cfg.kopf_log_level)
+    logging.getLogger("kopf.objects").addFilter(_drop_refusal_errors)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     settings.peering.standalone = not cfg.peering
     if cfg.peering:
@@ -187,6 +188,16 @@ def validate_kvtransfer(body: kopf.Body, old: Any, **_: Any) -> None:
 if Settings.from_env().webhook_port:
     kopf.on.validate(GROUP, VERSION, ENDPOINTS, id="validate-kvendpoint")(validate_kvendpoint)
     kopf.on.validate(GROUP, VERSION, TRANSFERS, id="validate-kvtransfer")(validate_kvtransfer)
+
+
+_WEBHOOK_IDS = ("validate-kvendpoint", "validate-kvtransfer")
+
+
+def _drop_refusal_errors(record: logging.LogRecord) -> bool:
+    """kopf logs every refusal of ours as an ERROR ("Webhook ... failed permanently"); it is
+    an expected answer, already logged by :func:`_admit` at WARNING, so drop kopf's line."""
+    message = record.getMessage()
+    return not any(f"Webhook {i!r} failed permanently: " in message for i in _WEBHOOK_IDS)
 
 
 def _admit(resource: str, body: kopf.Body, problems: list[str], *, reason: str) -> None:

@@ -89,3 +89,12 @@ def test_agent_info() -> None:
     agent_metrics.clear_info(**labels)
     agent_metrics.clear_info(**labels)   # twice: no error
     assert agent_metrics.REGISTRY.get_sample_value("kvbridge_agent_info", labels) is None
+
+
+def test_kopfs_error_line_for_a_refusal_is_dropped() -> None:
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("kopf.objects", logging.ERROR, __file__, 1, msg, None, None)
+
+    assert not main._drop_refusal_errors(
+        record("Webhook 'validate-kvtransfer' failed permanently: spec.protocolVersion: ..."))
+    assert main._drop_refusal_errors(record("Handler 'plan' failed permanently: boom"))
