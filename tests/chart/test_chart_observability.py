@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
-from chartlib import CHART, HelmError, by_kind, one, render, tool
+from chartlib import CHART, HelmError, by_kind, needs_helm, one, render, tool
 from kvbridge_prometheus import (
     DASHBOARD,
     PromBinaries,
@@ -27,9 +27,7 @@ from kvbridge_prometheus import (
     substitute,
 )
 
-pytestmark = pytest.mark.skipif(
-    tool("helm") is None, reason="helm missing: run hack/test-stack.sh ensure"
-)
+pytestmark = needs_helm
 
 ALERTS = {
     "KVBridgeTransferDegraded", "KVBridgeTransferNotReady", "KVBridgeIncompatibleEndpoints",

@@ -26,16 +26,14 @@ from chartlib import (
     expand_rules,
     helm,
     iter_containers,
+    needs_helm,
     one,
     render,
-    tool,
     values_file,
     values_files,
 )
 
-pytestmark = pytest.mark.skipif(
-    tool("helm") is None, reason="helm missing: run hack/test-stack.sh ensure"
-)
+pytestmark = needs_helm
 
 # The oldest schema set kubernetes-validate ships; the chart itself targets >= 1.20 (checked
 # separately against K8S_120_KINDS).
