@@ -22,6 +22,11 @@ local ``kopf run``. ``KVBRIDGE_DEMO=simulated`` (or ``node``) chooses explicitly
 6. start an incompatible decode pod and show the operator refusing it, with the reason;
 7. print ``kubectl get pods`` and ``kubectl get kvtransfers,kvendpoints``; clean everything
    up (also on Ctrl-C).
+
+With simulated pods and Prometheus installed (``make test-stack`` installs Debian's), a real
+Prometheus on loopback (hack/kvbridge_prometheus.py) scrapes the operator and the agents with
+the chart's alert rules: the demo prints its scrape targets, and the KVBridgeTransferDegraded
+alert firing when the incompatible decode pod joins and resolving when it is removed.
 """
 
 from __future__ import annotations
@@ -99,6 +104,8 @@ class Stage:
     cluster: kc.LocalCluster
     start_pod: StartPod
     report_transfer: Callable[[], None] = lambda: None
+    #: host:port of the operator's metrics, where this machine can scrape them (simulated).
+    operator_metrics: str = ""
 
 
 def run(cleanup: list) -> int:
@@ -126,7 +133,18 @@ def run(cleanup: list) -> int:
             cleanup.clear()
     if stage is None:
         stage = setup_simulated(binaries, cleanup)
-    cluster, start_pod = stage.cluster, stage.start_pod
+    cluster = stage.cluster
+    prom = start_prometheus(stage, binaries, cleanup)
+    started: dict[str, Any] = {}
+
+    def start_pod(name: str, role: str, engine: str, preset: str, seed: int
+                  ) -> tuple[Any, str]:  # fmt: skip
+        handle, where = stage.start_pod(name, role, engine, preset, seed)
+        started[name] = handle
+        if prom is not None:
+            scrape_agents(prom, started)
+        return handle, where
+
     k = cluster.kubectl
     k("apply", "-n", NS, "-f", str(REPO / "examples" / "demo-kvtransfer.yaml"))
     say("applied examples/demo-kvtransfer.yaml (KVTransfer kvt)")
@@ -177,6 +195,8 @@ def run(cleanup: list) -> int:
         f"median {statistics.median(rates):.2f} GB/s over {len(rates)} requests; "
         "prefill got every completion notification")
     stage.report_transfer()
+    if prom is not None:
+        show_targets(prom, 1 + len(started))
 
     show_admission(cluster, custom, sa)
 
@@ -190,6 +210,8 @@ def run(cleanup: list) -> int:
 
     st = wait_until(refused, timeout=60, what="decode-bad refused")
     say(f"decode-bad refused: {st['reason']}: {st['message'][:300]}")
+    if prom is not None:
+        show_alert(prom, cluster, started)
 
     print(k("get", "pods", "-A", "-o", "wide").stdout, flush=True)
     print(k("get", "kvtransfers,kvendpoints", "-n", NS, "-o", "wide").stdout, flush=True)
@@ -281,7 +303,7 @@ def setup_simulated(binaries: kc.Binaries, cleanup: list) -> Stage:
         "webhook on loopback TLS) ...")
     token = k("create", "token", RELEASE, "-n", SYS_NS, "--duration=3600s").stdout.strip()
     kubeconfig = cluster.kubeconfig_for_token(token, "operator")
-    liveness, webhook_port = kc.free_port(), kc.free_port()
+    liveness, webhook_port, metrics_port = kc.free_port(), kc.free_port(), kc.free_port()
     from kvbridge_operator.webhook import self_signed_certificate
 
     cert, key = self_signed_certificate(Path(cluster.workdir) / "webhook",
@@ -292,7 +314,7 @@ def setup_simulated(binaries: kc.Binaries, cleanup: list) -> Stage:
          f"--liveness=http://127.0.0.1:{liveness}/healthz", "-m", "kvbridge_operator.main"],
         stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "KUBECONFIG": str(kubeconfig), "KVBRIDGE_PEERING": "",
-             "KVBRIDGE_METRICS_PORT": str(kc.free_port()), "KVBRIDGE_METRICS_ADDR": "127.0.0.1",
+             "KVBRIDGE_METRICS_PORT": str(metrics_port), "KVBRIDGE_METRICS_ADDR": "127.0.0.1",
              "KVBRIDGE_WEBHOOK_PORT": str(webhook_port), "KVBRIDGE_WEBHOOK_ADDR": "127.0.0.1",
              "KVBRIDGE_WEBHOOK_HOST": "127.0.0.1", "KVBRIDGE_WEBHOOK_CERT": str(cert),
              "KVBRIDGE_WEBHOOK_KEY": str(key), "KVBRIDGE_DEBOUNCE": "0.1",
@@ -318,13 +340,100 @@ def setup_simulated(binaries: kc.Binaries, cleanup: list) -> Stage:
     def start_pod(name: str, role: str, engine: str, preset: str, seed: int
                   ) -> tuple[Any, str]:  # fmt: skip
         pod = SimPod(cluster, NS, name, role=role, engine_id=engine, preset=preset,
-                     seed=seed, sa=f"{RELEASE}-agent")
+                     seed=seed, sa=f"{RELEASE}-agent", extra_args=["--metrics-port", "0"])
         pods.append(pod)
         ready = pod.start()
         return pod, (f"agent process pid {ready['pid']} epoch {ready['epoch']} side channel "
-                     f"127.0.0.1:{ready['port']}")
+                     f"127.0.0.1:{ready['port']}, metrics 127.0.0.1:{ready['metrics_port']}")
 
-    return Stage(cluster, start_pod)
+    return Stage(cluster, start_pod, operator_metrics=f"127.0.0.1:{metrics_port}")
+
+
+def start_prometheus(stage: Stage, binaries: kc.Binaries, cleanup: list) -> Any:
+    """A Prometheus on loopback scraping the operator (and, as pods start, the agents) with
+    the chart's alerts; None, saying why, where it cannot run."""
+    import kvbridge_prometheus as kp
+
+    if not stage.operator_metrics:
+        say("Prometheus stage skipped: it runs with simulated pods (KVBRIDGE_DEMO=simulated), "
+            "whose metrics this machine reaches on loopback")
+        return None
+    try:
+        prom_binaries = kp.PromBinaries.find()
+    except kp.PrometheusMissingError as exc:
+        say(f"Prometheus stage skipped: {exc}")
+        return None
+    rules = kp.chart_rules(binaries.helm, kp.FAST_ALERTS)
+    prom = kp.Prometheus(prom_binaries, kp.JOBS, rules=rules,
+                         workdir=Path(stage.cluster.workdir) / "prometheus").start()
+    cleanup.append(prom.stop)
+    prom.set_targets(kp.OPERATOR_JOB, [(stage.operator_metrics, {"namespace": SYS_NS})])
+    say(f"Prometheus {prom.url} (Debian's prometheus, temporary config and TSDB) scrapes the "
+        f"operator and the agents every {prom.interval}; {len(kp.alert_rules(rules))} alert "
+        "rules from the chart's PrometheusRule, `for` shortened to 2s")
+    return prom
+
+
+def scrape_agents(prom: Any, started: dict[str, Any]) -> None:
+    """Scrape every started agent that serves metrics, labelled as a PodMonitor would."""
+    from kvbridge_prometheus import AGENT_JOB
+
+    prom.set_targets(AGENT_JOB, [
+        (f"127.0.0.1:{h.ready['metrics_port']}", {"namespace": NS, "pod": name})
+        for name, h in started.items() if getattr(h, "ready", {}).get("metrics_port")])
+
+
+def show_targets(prom: Any, count: int) -> None:
+    from sim import wait_until
+
+    def up() -> list[dict]:
+        ts = prom.targets()
+        return ts if len(ts) == count and all(t["health"] == "up" for t in ts) else []
+
+    for t in sorted(wait_until(up, timeout=60, interval=0.5, what="scrape targets up"),
+                    key=lambda t: (t["labels"]["job"], t["labels"].get("pod", ""))):
+        labels = t["labels"]
+        say(f"  scrape target {labels['job']:<16} {t['scrapeUrl']:<34} {t['health']} "
+            f"{labels.get('pod', '')}")
+
+
+def follow_alert(prom: Any, name: str, target: str, timeout: float = 120) -> None:
+    """Print the alert's state for KVTransfer kvt as it changes, until it is ``target``."""
+    from sim import wait_until
+
+    seen: list[str] = []
+
+    def reached() -> bool:
+        state = prom.alert_state(name, namespace=NS, transfer="kvt")
+        if not seen or seen[-1] != state:
+            seen.append(state)
+            say(f"  alert {name} {{namespace={NS}, transfer=kvt}}: {state}")
+        return state == target
+
+    wait_until(reached, timeout=timeout, interval=0.25, what=f"{name} {target}")
+
+
+def show_alert(prom: Any, cluster: kc.LocalCluster, started: dict[str, Any]) -> None:
+    """decode-bad makes KVBridgeTransferDegraded fire; removing it resolves it."""
+    from kubernetes import client
+    from sim import wait_until
+
+    follow_alert(prom, "KVBridgeTransferDegraded", "firing")
+    (alert,) = [a for a in prom.alerts() if a["state"] == "firing" and
+                a["labels"]["alertname"] == "KVBridgeTransferDegraded"]
+    say(f"  summary: {alert['annotations']['summary']}")
+    bad = started.pop("decode-bad")
+    bad.close()
+    bad.delete_pod()
+    scrape_agents(prom, started)
+    say("removed pod decode-bad (its KVEndpoint is garbage-collected with it) ...")
+    custom = client.CustomObjectsApi(cluster.api_client())
+    wait_until(lambda: "decode-bad" not in {
+        e["metadata"]["name"] for e in custom.list_namespaced_custom_object(
+            "kvbridge.io", "v1alpha1", NS, "kvendpoints")["items"]},
+        timeout=60, what="decode-bad's KVEndpoint gone")
+    follow_alert(prom, "KVBridgeTransferDegraded", "inactive")
+    say("  KVBridgeTransferDegraded resolved: the KVTransfer is no longer Degraded")
 
 
 def register_webhook(cluster: kc.LocalCluster, op: subprocess.Popen, port: int, ca: bytes,

@@ -14,7 +14,8 @@
 #   $KVB_CACHE/kube-v1.20.2/{kube-apiserver,kube-controller-manager,kube-scheduler,kubelet,
 #                            kube-proxy,.recipe}
 #   $KVB_CACHE/bin/{kubectl,helm}
-# etcd comes from the Debian package etcd-server (/usr/bin/etcd).
+# etcd comes from the Debian package etcd-server (/usr/bin/etcd); prometheus and promtool from
+# the Debian package prometheus (/usr/bin; its own service is disabled where systemd runs).
 # .recipe holds KUBE_RECIPE; binaries built by an older recipe (without the patches below) are
 # rebuilt by `ensure`. KVB_CACHE=/some/dir builds into another cache, leaving the shared one be.
 #
@@ -45,7 +46,10 @@ APT_PACKAGES=(golang-go dpkg-dev rsync jq etcd-server golang-github-modern-go-re
               golang-github-json-iterator-go-dev openssl iproute2 ca-certificates
               # the real node (hack/kvbridge_node.py) and its images (hack/node-images.sh)
               containerd runc containernetworking-plugins iptables conntrack util-linux
-              buildah debootstrap gcc libc6-dev)
+              buildah debootstrap gcc libc6-dev
+              # Prometheus 2.42 and promtool: the chart's alerts and dashboard against a real
+              # Prometheus (hack/kvbridge_prometheus.py runs its own, on loopback)
+              prometheus)
 
 log() { printf '[test-stack %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -66,6 +70,8 @@ kube_ok() {
 tools_ok() { [ -x "$BIN_DIR/kubectl" ] && [ -x "$BIN_DIR/helm" ]; }
 
 etcd_ok() { command -v etcd >/dev/null 2>&1; }
+
+prometheus_ok() { command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; }
 
 missing_packages() {
     local p missing=()
@@ -109,6 +115,12 @@ install_packages() {
     apt_update
     # shellcheck disable=SC2086
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
+    # The tests and the demo start their own prometheus on a free loopback port with a
+    # temporary config; the package's service (all interfaces, :9090) is not wanted.
+    if [[ " $missing " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
+        log "disabling the prometheus package's service (kvbridge runs its own)"
+        systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+    fi
 }
 
 # go-openapi's type validator (vendored twice in v1.20.2) treats a value as null when
@@ -267,13 +279,14 @@ cmd_ensure() {
     build_kube
     fetch_tools
     etcd_ok || die "etcd not found after installing etcd-server"
+    prometheus_ok || die "prometheus/promtool not found after installing prometheus"
     log "test stack ready"
 }
 
 case "${1:-ensure}" in
     ensure) cmd_ensure ;;
     paths) print_paths ;;
-    check) kube_ok && tools_ok && etcd_ok ;;
+    check) kube_ok && tools_ok && etcd_ok && prometheus_ok ;;
     -h|--help|help) sed -n '2,33p' "$0" ;;
     *) die "unknown subcommand '$1' (ensure | paths | check)" ;;
 esac

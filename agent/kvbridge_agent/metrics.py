@@ -7,10 +7,19 @@ the operator's metrics never collide). Serve with :func:`serve`.
 - ``kvbridge_agent_transfer_bytes_total`` / ``kvbridge_agent_transfer_descriptors_total``;
 - ``kvbridge_agent_transfer_seconds``: request latency, start to every part done;
 - ``kvbridge_agent_transfer_failures_total{cause}``: failures by :class:`FailureCause` value;
-- ``kvbridge_agent_peers``: peers currently loaded (handshake succeeded).
+- ``kvbridge_agent_peers``: peers currently loaded (handshake succeeded);
+- ``kvbridge_agent_info{namespace,transfer,role,engine_id}``: 1 while the agent publishes its
+  KVEndpoint (:class:`~kvbridge_agent.kube.EndpointSync`). The other series carry no
+  KVTransfer, so the chart's dashboard and alerts join on it by scrape ``instance`` to group
+  and filter agents per namespace and KVTransfer (one agent per scraped process).
+
+The labelled counters start with every result and cause at 0, so that failure ratios have a
+denominator and dashboards have series before the first failure.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -38,6 +47,21 @@ TRANSFER_FAILURES = Counter(
     registry=REGISTRY)
 PEERS = Gauge("kvbridge_agent_peers", "Peers loaded after a successful handshake",
               registry=REGISTRY)
+INFO = Gauge(
+    "kvbridge_agent_info", "The KVTransfer, role and engine this agent publishes as (always 1)",
+    ["namespace", "transfer", "role", "engine_id"], registry=REGISTRY)
+
+#: Values of the ``result`` label of HANDSHAKES (service/_agent.py's preflight outcomes).
+HANDSHAKE_RESULTS = ("succeeded", "incompatible", "timeout", "rejected", "error", "stale")
+#: Values of the ``cause`` label of TRANSFER_FAILURES: every ``nixl.FailureCause`` value and the
+#: service's own ``stale_peer`` (tests/unit check that the two lists agree).
+FAILURE_CAUSES = ("invalid_request", "unknown_remote", "unsupported", "setup",
+                  "remote_disconnect", "timeout", "transfer", "zeroing", "cancelled",
+                  "stale_peer")
+for _result in HANDSHAKE_RESULTS:
+    HANDSHAKES.labels(_result)
+for _cause in FAILURE_CAUSES:
+    TRANSFER_FAILURES.labels(_cause)
 
 
 def serve(port: int, addr: str = "0.0.0.0") -> int:
@@ -51,3 +75,13 @@ def value(name: str, **labels: str) -> float:
     """Current value of one sample (tests and the demo); 0.0 when absent."""
     got = REGISTRY.get_sample_value(name, labels or None)
     return float(got or 0.0)
+
+
+def set_info(namespace: str, transfer: str, role: str, engine_id: str) -> None:
+    """Say which KVTransfer this agent serves (see ``kvbridge_agent_info`` above)."""
+    INFO.labels(namespace, transfer, role, engine_id).set(1)
+
+
+def clear_info(namespace: str, transfer: str, role: str, engine_id: str) -> None:
+    with contextlib.suppress(KeyError):
+        INFO.remove(namespace, transfer, role, engine_id)

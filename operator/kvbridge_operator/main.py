@@ -45,6 +45,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # kopf logs every successful handler call at INFO; with a watch event per endpoint
     # change that drowns the operator's own messages. Failures still log at WARNING+.
     logging.getLogger("kopf.objects").setLevel(cfg.kopf_log_level)
+    logging.getLogger("kopf.objects").addFilter(_drop_refusal_errors)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     settings.peering.standalone = not cfg.peering
     if cfg.peering:
@@ -167,16 +168,19 @@ async def release_endpoints(
 def validate_kvendpoint(body: kopf.Body, old: Any, userinfo: Any, **_: Any) -> None:
     """Schema-independent rules, and only the owning pod may write a KVEndpoint's spec."""
     settings = _STATE.get("settings") or Settings.from_env()
+    identity = pod_identity.check_pod_identity(
+        body, userinfo, exempt_users=settings.admission_exempt_users
+    )
     _admit(
-        admission.check_endpoint(body, old)
-        + pod_identity.check_pod_identity(
-            body, userinfo, exempt_users=settings.admission_exempt_users
-        )
+        ENDPOINTS,
+        body,
+        admission.check_endpoint(body, old) + identity,
+        reason="pod_identity" if identity else "invalid_spec",
     )
 
 
 def validate_kvtransfer(body: kopf.Body, old: Any, **_: Any) -> None:
-    _admit(admission.check_transfer(body, old))
+    _admit(TRANSFERS, body, admission.check_transfer(body, old), reason="invalid_spec")
 
 
 # kopf refuses to start with admission handlers but no server, so the webhooks exist only
@@ -186,9 +190,33 @@ if Settings.from_env().webhook_port:
     kopf.on.validate(GROUP, VERSION, TRANSFERS, id="validate-kvtransfer")(validate_kvtransfer)
 
 
-def _admit(problems: list[str]) -> None:
-    if problems:
-        raise kopf.AdmissionError("; ".join(problems), code=422)
+_WEBHOOK_IDS = ("validate-kvendpoint", "validate-kvtransfer")
+
+
+def _drop_refusal_errors(record: logging.LogRecord) -> bool:
+    """kopf logs every refusal of ours as an ERROR ("Webhook ... failed permanently"); it is
+    an expected answer, already logged by :func:`_admit` at WARNING, so drop kopf's line."""
+    message = record.getMessage()
+    return not any(f"Webhook {i!r} failed permanently: " in message for i in _WEBHOOK_IDS)
+
+
+def _admit(resource: str, body: kopf.Body, problems: list[str], *, reason: str) -> None:
+    """Refuse with the problems, counted and logged once here: a refusal is an expected
+    answer, so no traceback, but a platform team wants to see and alert on them."""
+    if not problems:
+        return
+    message = "; ".join(problems)
+    metrics.ADMISSION_REFUSALS.labels(resource, reason).inc()
+    meta = body.get("metadata") or {}
+    log.warning(
+        "admission refused %s %s/%s (%s): %s",
+        resource,
+        meta.get("namespace") or "",
+        meta.get("name") or meta.get("generateName") or "",
+        reason,
+        message,
+    )
+    raise kopf.AdmissionError(message, code=422)
 
 
 def _endpoints(index: kopf.Index, namespace: str, name: str) -> list[Endpoint]:

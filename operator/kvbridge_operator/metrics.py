@@ -1,8 +1,16 @@
-"""Prometheus metrics of the operator (served by :func:`serve` on KVBRIDGE_METRICS_PORT)."""
+"""Prometheus metrics of the operator (served by :func:`serve` on KVBRIDGE_METRICS_PORT).
+
+Labelled counters are created with every label value they can take, so that their series exist
+(at 0) from the start: alert ratios and dashboards then have data before the first event.
+The chart's dashboard and alerts (charts/kvbridge/dashboards, templates/prometheusrule.yaml)
+query these names.
+"""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
@@ -30,6 +38,26 @@ INCOMPATIBLE_PAIRS = Gauge(
     "Decode/prefill engine pairs that fail a compatibility rule.",
     ["namespace", "transfer"],
 )
+#: The KVTransfer conditions exported by TRANSFER_CONDITION (conditions.py sets these).
+CONDITIONS = ("GeometryCompatible", "Paired", "HandshakesVerified", "Ready", "Degraded")
+TRANSFER_CONDITION = Gauge(
+    "kvbridge_transfer_condition",
+    "KVTransfer status conditions: 1 when the condition's status is True, else 0.",
+    ["namespace", "transfer", "condition"],
+)
+#: Why the admission webhook refused a write: a rule of admission.py (invalid_spec) or a pod
+#: writing a KVEndpoint it does not own (pod_identity).
+REFUSAL_REASONS = ("invalid_spec", "pod_identity")
+ADMISSION_REFUSALS = Counter(
+    "kvbridge_admission_refusals",
+    "Writes refused by the admission webhook, by resource and reason.",
+    ["resource", "reason"],
+)
+for _result in ("ok", "invalid", "error"):
+    RECONCILES.labels(_result)
+for _resource in ("kvendpoints", "kvtransfers"):
+    for _reason in REFUSAL_REASONS:
+        ADMISSION_REFUSALS.labels(_resource, _reason)
 
 
 def record(namespace: str, transfer: str, plan: Plan) -> None:
@@ -44,6 +72,15 @@ def record(namespace: str, transfer: str, plan: Plan) -> None:
     INCOMPATIBLE_PAIRS.labels(namespace, transfer).set(plan.incompatible_pairs)
 
 
+def record_conditions(namespace: str, transfer: str,
+                      conditions: Iterable[Mapping[str, Any]]) -> None:
+    """Export the conditions of a KVTransfer status as written (alerts key on Ready/Degraded)."""
+    for c in conditions:
+        if c.get("type") in CONDITIONS:
+            TRANSFER_CONDITION.labels(namespace, transfer, c["type"]).set(
+                1 if c.get("status") == "True" else 0)
+
+
 def forget(namespace: str, transfer: str) -> None:
     """Drop the series of a deleted KVTransfer."""
     for role in ("prefill", "decode"):
@@ -52,6 +89,8 @@ def forget(namespace: str, transfer: str) -> None:
     for state in PairState:
         _remove(PAIRS, namespace, transfer, str(state))
     _remove(INCOMPATIBLE_PAIRS, namespace, transfer)
+    for condition in CONDITIONS:
+        _remove(TRANSFER_CONDITION, namespace, transfer, condition)
 
 
 def _remove(metric: Gauge, *labels: str) -> None:

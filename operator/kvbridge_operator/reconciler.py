@@ -128,6 +128,7 @@ async def reconcile(
     except SpecError as exc:
         new = status.invalid_transfer_status(old, generation=generation, now=now, message=str(exc))
         await _write_transfer(kube, namespace, name, stored, old, new, memory, emit)
+        metrics.record_conditions(namespace, name, new["conditions"])
         metrics.RECONCILES.labels("invalid").inc()
         return None
     plan = planner.plan(transfer, endpoints, nodes)
@@ -151,6 +152,7 @@ async def reconcile(
         del memory.endpoints[gone]
     await _write_transfer(kube, namespace, name, stored, old, new, memory, emit)
     metrics.record(namespace, name, plan)
+    metrics.record_conditions(namespace, name, new["conditions"])
     metrics.RECONCILES.labels("ok").inc()
     metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
     return plan

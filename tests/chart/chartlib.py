@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from kvb_e2e import wait_for
 
@@ -41,6 +42,8 @@ CRD_KINDS = {
     ("kopf.dev/v1", "ClusterKopfPeering"),
     ("kopf.dev/v1", "KopfPeering"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
     ("cert-manager.io/v1", "Certificate"),
     ("cert-manager.io/v1", "Issuer"),
 }
@@ -55,6 +58,12 @@ def tool(name: str) -> str | None:
     if os.access(cached, os.X_OK):
         return str(cached)
     return shutil.which(name)
+
+
+#: Marks the tests that render the chart: they need the test stack's helm.
+needs_helm = pytest.mark.skipif(
+    tool("helm") is None, reason="helm missing: run hack/test-stack.sh ensure"
+)
 
 
 class HelmError(RuntimeError):

@@ -26,16 +26,14 @@ from chartlib import (
     expand_rules,
     helm,
     iter_containers,
+    needs_helm,
     one,
     render,
-    tool,
     values_file,
     values_files,
 )
 
-pytestmark = pytest.mark.skipif(
-    tool("helm") is None, reason="helm missing: run hack/test-stack.sh ensure"
-)
+pytestmark = needs_helm
 
 # The oldest schema set kubernetes-validate ships; the chart itself targets >= 1.20 (checked
 # separately against K8S_120_KINDS).
@@ -698,7 +696,8 @@ def test_vllm_pod_example_loads_the_connector_with_one_flag() -> None:
 
 
 def test_package(tmp_path: Path) -> None:
-    """The packaged chart carries its CRDs, schema, README and NOTES, and nothing stray."""
+    """The packaged chart carries its CRDs, schema, README, NOTES and dashboard, and nothing
+    stray."""
     import tarfile
 
     helm("package", str(CHART), "-d", str(tmp_path))
@@ -712,5 +711,7 @@ def test_package(tmp_path: Path) -> None:
         "README.md",
         "templates/NOTES.txt",
         "crds/kvbridge.io_kvtransfers.yaml",
+        "dashboards/kvbridge.json",
     } <= names
-    assert all(n.startswith(("crds/", "templates/")) or "/" not in n for n in names), names
+    assert all(n.startswith(("crds/", "templates/", "dashboards/")) or "/" not in n
+               for n in names), names

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .. import metrics
 from ._publisher import EndpointPublisher, PublishError
 
 log = logging.getLogger("kvbridge.agent.kube")
@@ -66,7 +67,13 @@ class EndpointSync:
                 f"(AgentSettings.epoch={epoch})")
         self.spec = self.service.endpoint_spec(
             transfer=self.transfer, pod_name=pod.name, pod_uid=pod.uid, node_name=pod.node_name)
-        return self.publisher.publish(self.spec)
+        published = self.publisher.publish(self.spec)
+        metrics.set_info(*self._info())
+        return published
+
+    def _info(self) -> tuple[str, str, str, str]:
+        engine = self.service.engine
+        return self.publisher.pod.namespace, self.transfer, engine.role, engine.engine_id
 
     def start(self) -> EndpointSync:
         if not self.spec:
@@ -81,6 +88,8 @@ class EndpointSync:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        if self.spec:
+            metrics.clear_info(*self._info())
 
     def __enter__(self) -> EndpointSync:
         return self.start()

@@ -246,3 +246,17 @@ known (Helm installs crds/ before rendering). The operator is only told to use p
   resources: ["kvtransfers"]
   verbs: ["get", "list", "watch"]
 {{- end }}
+
+{{/* labels: of one alert (severity and prometheusRule.alertLabels), for prometheusrule.yaml. */}}
+{{- define "kvbridge.alertLabels" -}}
+{{- $labels := merge (dict "severity" .severity) (deepCopy .v.alertLabels) }}
+          labels:
+            {{- toYaml $labels | nindent 12 }}
+{{- end }}
+
+{{/* The runbook_url annotation of one alert, when prometheusRule.runbookUrlBase is set. */}}
+{{- define "kvbridge.runbookUrl" -}}
+{{- with .v.runbookUrlBase }}
+            runbook_url: {{ printf "%s%s" . $.alert | quote }}
+{{- end }}
+{{- end }}

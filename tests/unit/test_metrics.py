@@ -1,0 +1,100 @@
+"""The metrics the chart's dashboard and alerts need: KVTransfer conditions, admission
+refusals, the agent's info series, and labelled counters that exist before their first event."""
+
+from __future__ import annotations
+
+import logging
+
+import kopf
+import pytest
+from prometheus_client import REGISTRY
+
+from kvbridge_agent import metrics as agent_metrics
+from kvbridge_agent.nixl import FailureCause
+from kvbridge_operator import main
+from kvbridge_operator import metrics as operator_metrics
+
+
+def _value(name: str, **labels: str) -> float | None:
+    return REGISTRY.get_sample_value(name, labels)
+
+
+def test_conditions_are_exported_and_forgotten() -> None:
+    operator_metrics.record_conditions("ns-m", "kvt", [
+        {"type": "Ready", "status": "True"}, {"type": "Degraded", "status": "False"},
+        {"type": "Paired", "status": "Unknown"}, {"type": "SomethingElse", "status": "True"}])
+    sample = "kvbridge_transfer_condition"
+    assert _value(sample, namespace="ns-m", transfer="kvt", condition="Ready") == 1
+    assert _value(sample, namespace="ns-m", transfer="kvt", condition="Degraded") == 0
+    assert _value(sample, namespace="ns-m", transfer="kvt", condition="Paired") == 0
+    assert _value(sample, namespace="ns-m", transfer="kvt", condition="SomethingElse") is None
+    operator_metrics.forget("ns-m", "kvt")
+    assert _value(sample, namespace="ns-m", transfer="kvt", condition="Ready") is None
+
+
+def test_every_condition_the_planner_sets_is_exported() -> None:
+    from kvbridge_operator.conditions import desired_conditions
+    from kvbridge_operator.model import RoleCounts
+    from kvbridge_operator.spec import parse_transfer
+    from kvbridge_operator.testing import transfer_manifest
+
+    transfer = parse_transfer(transfer_manifest("kvt"))
+    conds = desired_conditions(transfer, [], [], [], RoleCounts(), RoleCounts(), [])
+    assert {c.type for c in conds} == set(operator_metrics.CONDITIONS)
+
+
+def test_refusals_start_at_zero_and_count_with_a_warning(caplog: pytest.LogCaptureFixture
+                                                         ) -> None:  # fmt: skip
+    name = "kvbridge_admission_refusals_total"
+    for resource in ("kvendpoints", "kvtransfers"):
+        for reason in operator_metrics.REFUSAL_REASONS:
+            assert _value(name, resource=resource, reason=reason) is not None
+    before = _value(name, resource="kvtransfers", reason="invalid_spec")
+    body = {"metadata": {"namespace": "ns", "name": "bad"},
+            "spec": {"protocolVersion": 10, "mode": "pull", "prefill": {"tensorParallelSize": 1},
+                     "decode": {"tensorParallelSize": 1}}}
+    with caplog.at_level(logging.INFO, "kvbridge.operator"), \
+            pytest.raises(kopf.AdmissionError, match=r"spec\.protocolVersion"):
+        main.validate_kvtransfer(body=kopf.Body(body), old=None)
+    assert _value(name, resource="kvtransfers", reason="invalid_spec") == before + 1
+    (rec,) = [r for r in caplog.records if "admission refused" in r.getMessage()]
+    assert rec.levelno == logging.WARNING and rec.exc_info is None
+    assert "kvtransfers ns/bad (invalid_spec): spec.protocolVersion" in rec.getMessage()
+    main.validate_kvtransfer(body=kopf.Body({**body, "spec": {**body["spec"],
+                                                              "protocolVersion": 11}}), old=None)
+    assert _value(name, resource="kvtransfers", reason="invalid_spec") == before + 1
+
+
+def test_reconcile_results_start_at_zero() -> None:
+    for result in ("ok", "invalid", "error"):
+        assert _value("kvbridge_reconciles_total", result=result) is not None
+
+
+def test_agent_counters_start_with_every_result_and_cause() -> None:
+    causes = {c.value for c in FailureCause} | {"stale_peer"}
+    assert set(agent_metrics.FAILURE_CAUSES) == causes
+    reg = agent_metrics.REGISTRY
+    for cause in causes:
+        assert reg.get_sample_value("kvbridge_agent_transfer_failures_total",
+                                    {"cause": cause}) is not None
+    for result in agent_metrics.HANDSHAKE_RESULTS:
+        assert reg.get_sample_value("kvbridge_agent_handshakes_total",
+                                    {"result": result}) is not None
+
+
+def test_agent_info() -> None:
+    labels = {"namespace": "ns", "transfer": "kvt", "role": "decode", "engine_id": "D"}
+    agent_metrics.set_info(**labels)
+    assert agent_metrics.value("kvbridge_agent_info", **labels) == 1
+    agent_metrics.clear_info(**labels)
+    agent_metrics.clear_info(**labels)   # twice: no error
+    assert agent_metrics.REGISTRY.get_sample_value("kvbridge_agent_info", labels) is None
+
+
+def test_kopfs_error_line_for_a_refusal_is_dropped() -> None:
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("kopf.objects", logging.ERROR, __file__, 1, msg, None, None)
+
+    assert not main._drop_refusal_errors(
+        record("Webhook 'validate-kvtransfer' failed permanently: spec.protocolVersion: ..."))
+    assert main._drop_refusal_errors(record("Handler 'plan' failed permanently: boom"))
