@@ -17,10 +17,11 @@ BLOCK_SIZE = 16
 
 
 def _plan(group_ids: list[int], caps: list[int]) -> geo.RegionPlan:
+    """Regions of alternating 64- and 128-byte blocks."""
     views = [geo.CacheView.from_range(
-        f"model.layers.{i}.attn", (i + 1) * (1 << 24), c * 64, group_id=g, num_blocks=c,
-        mem_type="VRAM", block_len=64) for i, (g, c) in enumerate(zip(group_ids, caps,
-                                                                      strict=True))]
+        f"model.layers.{i}.attn", (i + 1) * (1 << 24), c * 64 * (1 + i % 2), group_id=g,
+        num_blocks=c, mem_type="VRAM", block_len=64 * (1 + i % 2))
+        for i, (g, c) in enumerate(zip(group_ids, caps, strict=True))]
     return geo.plan_regions(views)
 
 
@@ -30,7 +31,7 @@ def _remote(group_ids: list[int], caps: list[int], ppl: int) -> RemoteEngine:
         engine_id="p", agent_metadata=b"", tp_rank=0, tp_size=1, num_blocks=max(caps),
         block_size=BLOCK_SIZE, ppl=ppl, device_id=0,
         base_addrs=tuple((i + 1) << 30 for i in range(r)), block_lens=(64,) * r,
-        block_strides=(64,) * r, region_num_blocks=tuple(caps),
+        block_strides=(128,) * r, region_num_blocks=tuple(caps),
         region_group_ids=tuple(group_ids), region_mem_types=("VRAM",) * r)
 
 
@@ -38,7 +39,8 @@ def _route(plan: geo.RegionPlan, remote: RemoteEngine, local_ppl: int) -> ReadRo
     return ReadRoute(agent_name="p-agent", local_list=None, remote_list=None,  # type: ignore[arg-type]
                      local_layout=local_desc_layout(plan, 1, False),
                      remote_layout=remote_desc_layout(remote, False), local_ppl=local_ppl,
-                     remote_ppl=remote.ppl, local_consumers=1, label="VRAM<-VRAM@p-agent")
+                     remote_ppl=remote.ppl, local_consumers=1, label="VRAM<-VRAM@p-agent",
+                     block_lens=plan.block_lens)
 
 
 def _planner(plan, remote, local_ppl, lids, rids):
@@ -89,6 +91,9 @@ def test_route_ids_equal_the_planners_or_defer_to_it(case):
     assert want.allocated_ids is None and want.k == 1 and not want.region_mapped
     np.testing.assert_array_equal(got[0], want.local_ids)
     np.testing.assert_array_equal(got[1], want.remote_ids)
+    layout = route.local_layout            # bytes: each descriptor's region's block length
+    region = np.searchsorted(layout.offsets, want.local_ids, side="right") - 1
+    assert got[2] == int(plan.block_lens[region].sum())
 
 
 def test_route_defers_what_it_does_not_plan():
@@ -97,8 +102,9 @@ def test_route_defers_what_it_does_not_plan():
     assert route.read_ids([[1, 2]], [[3, 4], [5]]) is None          # group counts differ
     assert route.read_ids([[1.0]], [[2.0]]) is None                 # not integers
     assert route.read_ids([[1, 2, 3], []], [[4, 5], []]) is None     # D longer than P
-    lids, rids = route.read_ids([[1, 2], [3]], [[4, 5, 6], [7]])
+    lids, rids, nbytes = route.read_ids([[1, 2], [3]], [[4, 5, 6], [7]])
     assert lids.tolist() == [1, 2, 11] and rids.tolist() == [5, 6, 15]
+    assert nbytes == 2 * 64 + 128
 
 
 @pytest.mark.parametrize(("change", "eligible"), [

@@ -309,13 +309,16 @@ class NixlAgent:
         *,
         notif: bytes = b"",
         label: str = "",
+        nbytes: int | None = None,
     ) -> XferHandle:
-        """Create a transfer from two prepared lists and positional index arrays."""
+        """Create a transfer from two prepared lists and positional index arrays
+        (``nbytes``: what they move, when the caller knows it; else summed here)."""
         self._check_open()
         lid = np.ascontiguousarray(local_ids, dtype=np.int64)
         rid = np.ascontiguousarray(remote_ids, dtype=np.int64)
-        in_range = lid.size and int(lid.min()) >= 0 and int(lid.max()) < local.size
-        nbytes = int(local.table[lid, 1].sum()) if in_range else 0
+        if nbytes is None:
+            in_range = lid.size and int(lid.min()) >= 0 and int(lid.max()) < local.size
+            nbytes = int(local.table[lid, 1].sum()) if in_range else 0
         with _nixl_call("make_prepped_xfer", FailureCause.SETUP, _Detail(op, label, lid.size)):
             h = self._agent.make_prepped_xfer(op, local.handle, lid, remote.handle, rid, notif)
         x = XferHandle(h, label or op, remote.peer, int(lid.size), nbytes)

@@ -174,6 +174,7 @@ class PullEngine(TransferEngine):
             route = ReadRoute(
                 agent_name=source.agent_name, local_list=llist, remote_list=rlist,
                 local_layout=local.desc_layout(1, False), remote_layout=source.layout(False),
+                block_lens=local.plan.block_lens,
                 local_ppl=local.facts.ppl, remote_ppl=source.desc.ppl,
                 local_consumers=mapping.local_consumers,
                 label=f"{lkind}<-{rkind}@{source.agent_name}")
@@ -274,7 +275,8 @@ class PullEngine(TransferEngine):
         self.heartbeats.track(route.agent_name, notif_id)
         message = completion_message(notif_id, route.local_consumers)
         x = self.agent.make_prepped("READ", route.local_list, ids[0], route.remote_list, ids[1],
-                                    notif=message, label=f"{req.request_id} {route.label}")
+                                    notif=message, label=f"{req.request_id} {route.label}",
+                                    nbytes=ids[2])
         self._transfers.post(tracked, x, message, attached=True)
         return True
 

@@ -15,7 +15,7 @@ Pure given its inputs: the NIXL lists are built by the pull engine and only carr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -58,15 +58,29 @@ class ReadRoute:
     remote_ppl: int
     local_consumers: int
     label: str
+    #: the local regions' block lengths (what one descriptor of each region moves)
+    block_lens: np.ndarray | None = None
+    _id_bytes: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def id_bytes(self, group: int) -> int:
+        """Bytes one block id of ``group`` moves: the block lengths of the regions its ids
+        go to, as the layout maps them (every region when there is one group)."""
+        got = self._id_bytes.get(group)
+        if got is None:
+            assert self.block_lens is not None
+            layout = self.local_layout
+            regions = layout.targets(group) if layout.uses_group_mapping else slice(None)
+            got = self._id_bytes[group] = int(self.block_lens[regions].sum())
+        return got
 
     def read_ids(
         self,
         local_block_ids: Sequence[Sequence[int]],
         remote_block_ids: Sequence[Sequence[int]],
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """Paired (local, remote) descriptor ids, or None when the request needs the
-        general planner (group counts differ, ids that are not integers, or a group where
-        the decode holds more pages than the prefill sent).
+    ) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """Paired (local, remote) descriptor ids and the bytes they move, or None when the
+        request needs the general planner (group counts differ, ids that are not integers,
+        or a group where the decode holds more pages than the prefill sent).
 
         Raises:
             BlockIdRangeError / GroupLayoutError: as ``plan_read_ids`` for the same ids.
@@ -86,7 +100,8 @@ class ReadRoute:
         rids = self.remote_layout.desc_ids(remote)
         if lids.size != rids.size:
             return None
-        return lids, rids
+        nbytes = sum(d.size * self.id_bytes(g) for g, d in enumerate(local) if d.size)
+        return lids, rids, nbytes
 
 
 def _kernel_ids(block_ids: Sequence[int], ppl: int) -> np.ndarray | None:
