@@ -9,6 +9,8 @@ import socket
 from typing import Any
 
 CONTROL_PORT = 7000
+#: The agent's Prometheus metrics, on the container port the chart's PodMonitor scrapes.
+METRICS_PORT = 9400
 AGENT_SA = "kvbridge-agent"
 
 
@@ -24,7 +26,8 @@ def agent_pod(name: str, role: str, image: str, *, engine_id: str | None = None,
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "labels": {"app": "kvb-agent", "kvbridge.io/role": role}},
+        "metadata": {"name": name, "labels": {"app": "kvb-agent", "kvbridge.io/role": role,
+                                                "kvbridge.io/agent": "true"}},
         "spec": {
             "serviceAccountName": service_account,
             "terminationGracePeriodSeconds": 2,
@@ -35,7 +38,8 @@ def agent_pod(name: str, role: str, image: str, *, engine_id: str | None = None,
                 "imagePullPolicy": "Never",
                 "args": ["--transfer", transfer, "--role", role,
                          "--engine-id", engine_id or name, "--preset", preset,
-                         "--seed", str(seed), "--control-port", str(CONTROL_PORT)],
+                         "--seed", str(seed), "--control-port", str(CONTROL_PORT),
+                         "--metrics-port", str(METRICS_PORT), "--metrics-addr", "0.0.0.0"],
                 "env": [
                     {"name": "POD_NAME", **field("metadata.name")},
                     {"name": "POD_NAMESPACE", **field("metadata.namespace")},
@@ -47,7 +51,8 @@ def agent_pod(name: str, role: str, image: str, *, engine_id: str | None = None,
                     {"name": "UCX_PROTO_INFO", "value": "y"},
                     {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
                 ],
-                "ports": [{"name": "control", "containerPort": CONTROL_PORT}],
+                "ports": [{"name": "control", "containerPort": CONTROL_PORT},
+                          {"name": "kvb-metrics", "containerPort": METRICS_PORT}],
                 "readinessProbe": {"tcpSocket": {"port": "control"}, "periodSeconds": 1},
                 "securityContext": {"allowPrivilegeEscalation": False,
                                     "readOnlyRootFilesystem": True,
@@ -101,6 +106,11 @@ class NodePod:
 
     def status(self) -> dict[str, Any]:
         return self.call("status")
+
+    @property
+    def metrics_target(self) -> str:
+        """host:port where Prometheus scrapes this pod's agent (the pod IP)."""
+        return f"{self.ip}:{METRICS_PORT}"
 
 
 def ucx_transports(log: str) -> set[str]:

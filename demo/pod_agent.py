@@ -117,7 +117,7 @@ class PodAgent:
                           mem_types=CPU_TEST_MEM_TYPES, epoch=epoch,
                           handshake_timeout_s=args.handshake_timeout,
                           transfer_timeout_s=args.transfer_timeout)).start()
-        self.metrics_port = metrics.serve(args.metrics_port, "127.0.0.1") \
+        self.metrics_port = metrics.serve(args.metrics_port, args.metrics_addr) \
             if args.metrics_port >= 0 else 0
         self.sync = EndpointSync(self.service, publisher, args.transfer,
                                  interval_s=args.sync_interval)
@@ -212,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--host", default=os.environ.get("POD_IP", "127.0.0.1"))
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--metrics-port", type=int, default=-1)
+    ap.add_argument("--metrics-port", type=int, default=-1,
+                    help="serve the agent's Prometheus metrics on this port (0: any free one)")
+    ap.add_argument("--metrics-addr", default="127.0.0.1",
+                    help="address the metrics bind (0.0.0.0 in a pod, for the scraper)")
     ap.add_argument("--sync-interval", type=float, default=0.3)
     ap.add_argument("--handshake-timeout", type=float, default=3.0)
     ap.add_argument("--transfer-timeout", type=float, default=5.0)

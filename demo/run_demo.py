@@ -23,10 +23,11 @@ local ``kopf run``. ``KVBRIDGE_DEMO=simulated`` (or ``node``) chooses explicitly
 7. print ``kubectl get pods`` and ``kubectl get kvtransfers,kvendpoints``; clean everything
    up (also on Ctrl-C).
 
-With simulated pods and Prometheus installed (``make test-stack`` installs Debian's), a real
-Prometheus on loopback (hack/kvbridge_prometheus.py) scrapes the operator and the agents with
-the chart's alert rules: the demo prints its scrape targets, and the KVBridgeTransferDegraded
-alert firing when the incompatible decode pod joins and resolving when it is removed.
+With Prometheus installed (``make test-stack`` installs Debian's), a real Prometheus on this
+machine (hack/kvbridge_prometheus.py) scrapes the operator and the agents (on a real node: the
+pod IPs, which the host routes to the node) with the chart's alert rules: the demo prints its
+scrape targets, and the KVBridgeTransferDegraded alert firing when the incompatible decode pod
+joins and resolving when it is removed.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
 import kvbridge_cluster as kc  # noqa: E402
 
 NS, SYS_NS, RELEASE = "kvbridge-demo", "kvbridge-system", "kvbridge"
+OPERATOR_METRICS_PORT = 9090    # the chart's metrics.port
 T0 = time.monotonic()
 
 
@@ -104,8 +106,10 @@ class Stage:
     cluster: kc.LocalCluster
     start_pod: StartPod
     report_transfer: Callable[[], None] = lambda: None
-    #: host:port of the operator's metrics, where this machine can scrape them (simulated).
+    #: host:port of the operator's metrics, where this machine's Prometheus scrapes them
     operator_metrics: str = ""
+    #: stop a serving pod's agent and delete its Pod (name, the start_pod handle)
+    delete_pod: Callable[[str, Any], None] = lambda name, handle: None
 
 
 def run(cleanup: list) -> int:
@@ -211,7 +215,7 @@ def run(cleanup: list) -> int:
     st = wait_until(refused, timeout=60, what="decode-bad refused")
     say(f"decode-bad refused: {st['reason']}: {st['message'][:300]}")
     if prom is not None:
-        show_alert(prom, cluster, started)
+        show_alert(prom, stage, started)
 
     print(k("get", "pods", "-A", "-o", "wide").stdout, flush=True)
     print(k("get", "kvtransfers,kvendpoints", "-n", NS, "-o", "wide").stdout, flush=True)
@@ -274,7 +278,15 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
         log = core.read_namespaced_pod_log("decode-0", NS)
         say(f"UCX carried the pod-to-pod pulls over: {sorted(ucx_transports(log)) or '?'}")
 
-    return Stage(cluster, start_pod, transports)
+    def delete_pod(name: str, _handle: Any) -> None:
+        core.delete_namespaced_pod(name, NS, grace_period_seconds=0)
+
+    # The host routes the pod network to the node: Prometheus here scrapes pod IPs directly.
+    (operator,) = [p for p in core.list_namespaced_pod(SYS_NS).items
+                   if p.status.phase == "Running"]
+    return Stage(cluster, start_pod, transports,
+                 operator_metrics=f"{operator.status.pod_ip}:{OPERATOR_METRICS_PORT}",
+                 delete_pod=delete_pod)
 
 
 def setup_simulated(binaries: kc.Binaries, cleanup: list) -> Stage:
@@ -346,7 +358,12 @@ def setup_simulated(binaries: kc.Binaries, cleanup: list) -> Stage:
         return pod, (f"agent process pid {ready['pid']} epoch {ready['epoch']} side channel "
                      f"127.0.0.1:{ready['port']}, metrics 127.0.0.1:{ready['metrics_port']}")
 
-    return Stage(cluster, start_pod, operator_metrics=f"127.0.0.1:{metrics_port}")
+    def delete_pod(_name: str, pod: SimPod) -> None:
+        pod.close()
+        pod.delete_pod()
+
+    return Stage(cluster, start_pod, operator_metrics=f"127.0.0.1:{metrics_port}",
+                 delete_pod=delete_pod)
 
 
 def start_prometheus(stage: Stage, binaries: kc.Binaries, cleanup: list) -> Any:
@@ -354,10 +371,6 @@ def start_prometheus(stage: Stage, binaries: kc.Binaries, cleanup: list) -> Any:
     the chart's alerts; None, saying why, where it cannot run."""
     import kvbridge_prometheus as kp
 
-    if not stage.operator_metrics:
-        say("Prometheus stage skipped: it runs with simulated pods (KVBRIDGE_DEMO=simulated), "
-            "whose metrics this machine reaches on loopback")
-        return None
     try:
         prom_binaries = kp.PromBinaries.find()
     except kp.PrometheusMissingError as exc:
@@ -379,8 +392,8 @@ def scrape_agents(prom: Any, started: dict[str, Any]) -> None:
     from kvbridge_prometheus import AGENT_JOB
 
     prom.set_targets(AGENT_JOB, [
-        (f"127.0.0.1:{h.ready['metrics_port']}", {"namespace": NS, "pod": name})
-        for name, h in started.items() if getattr(h, "ready", {}).get("metrics_port")])
+        (h.metrics_target, {"namespace": NS, "pod": name})
+        for name, h in started.items() if h.metrics_target])
 
 
 def show_targets(prom: Any, count: int) -> None:
@@ -413,7 +426,7 @@ def follow_alert(prom: Any, name: str, target: str, timeout: float = 120) -> Non
     wait_until(reached, timeout=timeout, interval=0.25, what=f"{name} {target}")
 
 
-def show_alert(prom: Any, cluster: kc.LocalCluster, started: dict[str, Any]) -> None:
+def show_alert(prom: Any, stage: Stage, started: dict[str, Any]) -> None:
     """decode-bad makes KVBridgeTransferDegraded fire; removing it resolves it."""
     from kubernetes import client
     from sim import wait_until
@@ -422,12 +435,10 @@ def show_alert(prom: Any, cluster: kc.LocalCluster, started: dict[str, Any]) -> 
     (alert,) = [a for a in prom.alerts() if a["state"] == "firing" and
                 a["labels"]["alertname"] == "KVBridgeTransferDegraded"]
     say(f"  summary: {alert['annotations']['summary']}")
-    bad = started.pop("decode-bad")
-    bad.close()
-    bad.delete_pod()
+    stage.delete_pod("decode-bad", started.pop("decode-bad"))
     scrape_agents(prom, started)
     say("removed pod decode-bad (its KVEndpoint is garbage-collected with it) ...")
-    custom = client.CustomObjectsApi(cluster.api_client())
+    custom = client.CustomObjectsApi(stage.cluster.api_client())
     wait_until(lambda: "decode-bad" not in {
         e["metadata"]["name"] for e in custom.list_namespaced_custom_object(
             "kvbridge.io", "v1alpha1", NS, "kvendpoints")["items"]},

@@ -115,6 +115,12 @@ class SimPod:
     def delete_pod(self) -> None:
         self.core.delete_namespaced_pod(self.name, self.namespace)
 
+    @property
+    def metrics_target(self) -> str:
+        """host:port of the agent's metrics ("" when it serves none)."""
+        port = self.ready.get("metrics_port")
+        return f"127.0.0.1:{port}" if port else ""
+
     # -- the agent process ---------------------------------------------------------------------
     @property
     def log_path(self) -> Path:
