@@ -6,4 +6,3 @@ operator can reuse the same compatibility rules.
 """
 
 __version__ = "0.1.0"
-NIXL_CONNECTOR_VERSION = 11

@@ -18,7 +18,6 @@ from ._engine import EffectiveRegions, EngineGeometry, RegionGeometry, effective
 from ._errors import (
     EngineIdMismatchError,
     HashMismatchError,
-    IncompatibleGeometryError,
     MetadataDecodeError,
     PayloadDecodeError,
     ProtocolError,
@@ -26,10 +25,17 @@ from ._errors import (
     TimestampDecodeError,
 )
 from ._validate import validate_remote
-from ._verdict import Incompatibility, Mode, Rule, ValidationOptions, Verdict
+from ._verdict import (
+    Incompatibility,
+    IncompatibleGeometryError,
+    Mode,
+    Rule,
+    ValidationOptions,
+    Verdict,
+)
+from ._version import NIXL_CONNECTOR_VERSION
 from ._wire import (
     GET_META_MSG,
-    NIXL_CONNECTOR_VERSION,
     SHARED_REGION_GROUP_ID,
     NixlAgentMetadata,
     NixlHandshakePayload,

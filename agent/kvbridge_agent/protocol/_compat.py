@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ._errors import HashMismatchError
-from ._wire import NIXL_CONNECTOR_VERSION
+from ._version import NIXL_CONNECTOR_VERSION
 
 _log = logging.getLogger(__name__)
 

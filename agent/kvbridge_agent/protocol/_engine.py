@@ -13,7 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ._wire import NIXL_CONNECTOR_VERSION, NixlAgentMetadata
+from ._version import NIXL_CONNECTOR_VERSION
+from ._wire import NixlAgentMetadata
 
 _TUPLE_FIELDS = (
     "block_lens",

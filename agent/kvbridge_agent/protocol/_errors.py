@@ -7,11 +7,6 @@ gives vLLM's wording, so logs from a kvbridge engine and from a vLLM engine read
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ._validate import Verdict
-
 _DISABLE_HINT = (
     "Disable this check using --kv-transfer-config "
     '\'{"kv_connector_extra_config": {"enforce_handshake_compat": false}}\''
@@ -73,11 +68,3 @@ class EngineIdMismatchError(ProtocolError):
         )
         self.expected = expected
         self.actual = actual
-
-
-class IncompatibleGeometryError(ProtocolError):
-    """:func:`validate_remote` found problems; ``verdict`` lists all of them."""
-
-    def __init__(self, verdict: Verdict) -> None:
-        super().__init__(verdict.summary())
-        self.verdict = verdict

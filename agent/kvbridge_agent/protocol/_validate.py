@@ -16,7 +16,7 @@ from typing import Any
 
 from ._engine import EffectiveRegions, EngineGeometry, effective_regions
 from ._verdict import Incompatibility, Mode, Rule, ValidationOptions, Verdict
-from ._wire import NIXL_CONNECTOR_VERSION
+from ._version import NIXL_CONNECTOR_VERSION
 
 
 class _Collector:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from ._errors import IncompatibleGeometryError
+from ._errors import ProtocolError
 
 
 class Rule(StrEnum):
@@ -109,3 +109,12 @@ class ValidationOptions:
     host_buffer: bool = False
     prefix_caching: bool = True
     local_mem_type: str | None = None  # platform memory type for v10 fallback; None: derive
+
+
+class IncompatibleGeometryError(ProtocolError):
+    """:func:`validate_remote` found problems; ``verdict`` lists all of them. Defined beside
+    :class:`Verdict`, which raises it, so the error tree imports nothing of ours."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(verdict.summary())
+        self.verdict = verdict

@@ -13,6 +13,7 @@ import math
 
 import msgspec
 
+from ._compat import check_compatibility
 from ._errors import (
     EngineIdMismatchError,
     MetadataDecodeError,
@@ -20,13 +21,6 @@ from ._errors import (
     RequestDecodeError,
     TimestampDecodeError,
 )
-
-# Version history (spec §1.4): 1 compatibility hash · 2 remote_request_id · 3 ppl field ·
-# 4 lease heartbeats · 5 expiry time + clock-sync timestamp · 6 speculative config in hash ·
-# 7 transfer mode in hash · 8 dcp_size/pcp_size · 9 block_strides · 10 dense virtual pages
-# for compressed MLA · 11 per-region geometry and memory types (this module) · 12 (later,
-# not implemented) region_members for PP push.
-NIXL_CONNECTOR_VERSION = 11
 
 GET_META_MSG = b"get_meta_msg"
 """First item of a side-channel request (spec §1.1)."""
@@ -138,8 +132,6 @@ def decode_handshake(
     metadata (:class:`MetadataDecodeError`); 4. ``engine_id`` against ``expected_engine_id``
     when given (:class:`EngineIdMismatchError`).
     """
-    from ._compat import check_compatibility  # local import: _compat imports nothing of ours
-
     payload = decode_payload(buf)
     if local_hash is not None:
         check_compatibility(
