@@ -23,6 +23,7 @@ from .protocol import (
     EngineGeometry,
     NixlAgentMetadata,
     ProtocolError,
+    check_metadata,
     validate_remote,
 )
 from .sidechannel import (
@@ -89,10 +90,12 @@ def _add_probe(sub: argparse._SubParsersAction) -> None:
         "probe",
         help="fetch, decode and check a remote engine's v11 handshake metadata",
         description="Query a vLLM/kvbridge NIXL side channel (spec §1.1) for the v11 metadata\n"
-        "of the given (pp, tp) ranks, print it, and optionally check it against a local\n"
-        "geometry.",
+        "of the given (pp, tp) ranks, print it, check that each rank's metadata is consistent\n"
+        "with itself (per-region lists of one length, strides covering blocks, capacities,\n"
+        "memory types, unique names), and optionally check it against a local geometry.",
         epilog=GEOMETRY_HELP + "\nExit status: 0 ok, 1 incompatible, 2 usage/input error, "
-        "3 timeout/unreachable, 4 decode/hash/engine-id error, 5 rejected by the remote.",
+        "3 timeout/unreachable, 4 decode/hash/engine-id error or broken (self-inconsistent) "
+        "metadata, 5 rejected by the remote.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -168,11 +171,21 @@ def _probe(args: argparse.Namespace) -> int:
         raise _Failure(EXIT_UNREACHABLE, str(exc)) from exc
     except ProtocolError as exc:
         raise _Failure(EXIT_PROTOCOL, str(exc)) from exc
+    broken = {(r.pp_rank, r.tp_rank): check_metadata(r.metadata) for r in result.replies}
     verdicts = _check(result, local, args) if local is not None else None
     if args.json:
-        print(json.dumps(_probe_json(result, verdicts), indent=2))
+        print(json.dumps(_probe_json(result, broken, verdicts), indent=2))
     else:
-        _print_human(result, verdicts)
+        _print_human(result, broken, verdicts)
+    bad = [(rank, v) for rank, v in broken.items() if not v.ok]
+    if bad:
+        (pp, tp), verdict = bad[0]
+        raise _Failure(
+            EXIT_PROTOCOL,
+            f"broken metadata: rank (pp {pp}, tp {tp}) of {result.endpoint}: "
+            f"{verdict.summary(limit=3)}"
+            + (f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""),
+        )
     bad = [(rank, v) for rank, v in (verdicts or {}).items() if not v.ok]
     if bad:
         (pp, tp), verdict = bad[0]
@@ -218,7 +231,8 @@ def _check(result: HandshakeResult, local: EngineGeometry, args: argparse.Namesp
     return verdicts
 
 
-def _probe_json(result: HandshakeResult, verdicts: dict | None) -> dict[str, Any]:
+def _probe_json(result: HandshakeResult, broken: dict, verdicts: dict | None
+                ) -> dict[str, Any]:  # fmt: skip
     ranks = []
     for r in result.replies:
         entry: dict[str, Any] = {
@@ -229,6 +243,8 @@ def _probe_json(result: HandshakeResult, verdicts: dict | None) -> dict[str, Any
             "compatibility_hash": r.payload.compatibility_hash,
             "metadata": _jsonable(r.metadata),
         }
+        consistency = broken[(r.pp_rank, r.tp_rank)]
+        entry["consistency"] = {"ok": consistency.ok, "problems": consistency.to_dicts()}
         if verdicts is not None:
             v = verdicts[(r.pp_rank, r.tp_rank)]
             entry["verdict"] = {"ok": v.ok, "problems": v.to_dicts()}
@@ -241,7 +257,7 @@ def _probe_json(result: HandshakeResult, verdicts: dict | None) -> dict[str, Any
     }
 
 
-def _print_human(result: HandshakeResult, verdicts: dict | None) -> None:
+def _print_human(result: HandshakeResult, broken: dict, verdicts: dict | None) -> None:
     print(
         f"{result.endpoint}: {len(result.replies)} rank(s), best RTT "
         f"{result.best.rtt * 1e3:.3f} ms, clock offset {result.clock_offset * 1e3:+.3f} ms"
@@ -269,6 +285,11 @@ def _print_human(result: HandshakeResult, verdicts: dict | None) -> None:
                 f"{_at(m.region_group_ids, i):>5} {_at(m.region_num_blocks, i):>8} "
                 f"{_at(m.block_lens, i):>10} {_at(m.block_strides, i):>10}  {addr:#x}"
             )
+        consistency = broken[(r.pp_rank, r.tp_rank)]
+        print("  metadata: " + ("consistent" if consistency.ok
+                                else f"BROKEN, {len(consistency.problems)} problem(s)"))
+        for p in consistency.problems:
+            print(f"    - [{p.rule}] {p.message}")
         if verdicts is not None:
             v = verdicts[(r.pp_rank, r.tp_rank)]
             print(

@@ -170,3 +170,29 @@ def test_endpoint_spec_matches_registration(pair) -> None:
     assert [r["groupId"] for r in g["regions"]] == [0, 0, 1, 1]
     assert spec["epoch"] == d.epoch and spec["sideChannel"]["port"] == d.port
     assert spec["compatibilityHash"] == HASH and spec["protocolVersion"] == 11
+
+
+def test_self_inconsistent_peer_is_refused_with_the_field() -> None:
+    """A reply that decodes but describes no possible engine (per-region lists of different
+    lengths) is refused at the handshake, before anything is loaded into NIXL."""
+    import msgspec
+
+    from kvbridge_agent.protocol import decode_metadata, encode_payload, make_payload
+    from kvbridge_agent.sidechannel import SideChannelServer
+    from spec_vectors import load_vectors
+
+    example = load_vectors("v11-handshake.json")["examples"][0]
+    meta = decode_metadata(bytes.fromhex(example["metadata_msgpack_hex"]))
+    broken = msgspec.structs.replace(meta, engine_id="P4", region_num_blocks=[16, 8, 8])
+    _, dviews = make_views(False, seed=None)
+    d = service("decode", dviews, "D4")
+    try:
+        with SideChannelServer({(0, 0): encode_payload(make_payload(broken, HASH))},
+                               host="127.0.0.1", port=0) as srv:
+            rep = d.set_peers([PeerRef("p4-0", "P4", "127.0.0.1", srv.port, 0, 1, None,
+                                       "prefill")])[0]
+        assert not rep.ok and rep.reason == "incompatible"
+        assert "len(region_num_blocks): expected 2 (one entry per region" in rep.message
+        assert not d.peers()
+    finally:
+        d.close()

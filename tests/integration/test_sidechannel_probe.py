@@ -183,3 +183,48 @@ def test_probe_bad_geometry_file(server: SideChannelServer, tmp_path: Path) -> N
     out = probe("probe", f"{LOOPBACK}:{server.port}", "--geometry", str(path))
     assert out.returncode == 2
     assert "unknown keys ['blok_size']" in out.stderr and out.stderr.count("\n") == 1
+
+
+def _broken_payload() -> bytes:
+    """The vector's metadata with a third memory type for its two regions and a stride that
+    does not cover its block: decodable, but no engine could look like this."""
+    import msgspec
+
+    from kvbridge_agent.protocol import decode_metadata, encode_payload, make_payload
+
+    meta = decode_metadata(bytes.fromhex(EXAMPLE["metadata_msgpack_hex"]))
+    broken = msgspec.structs.replace(meta, region_mem_types=["VRAM", "DRAM", "VRAM"],
+                                     block_strides=[1152, 1000])
+    return encode_payload(make_payload(broken, HASH))
+
+
+@pytest.fixture(scope="module")
+def broken_server() -> Iterator[SideChannelServer]:
+    with SideChannelServer({(0, 0): PAYLOAD, (0, 1): _broken_payload()}, host=LOOPBACK,
+                           port=0) as srv:
+        yield srv
+
+
+def test_probe_reports_self_inconsistent_metadata_without_a_geometry(
+    broken_server: SideChannelServer,
+) -> None:
+    target = f"{LOOPBACK}:{broken_server.port}"
+    out = probe("probe", target, "--tp", "1")
+    assert out.returncode == 4, out.stdout
+    assert out.stderr.count("\n") == 1
+    assert out.stderr.startswith("kvbridge probe: broken metadata: rank (pp 0, tp 1)")
+    assert "len(region_mem_types): expected 2 (one entry per region" in out.stderr
+    assert "block_strides[1]: expected >= block_lens[1] (1152), got 1000" in out.stdout
+    assert "metadata: BROKEN, 2 problem(s)" in out.stdout
+
+    out = probe("probe", target, "--tp", "0-1", "--json")
+    assert out.returncode == 4
+    healthy, broken = json.loads(out.stdout)["ranks"]
+    assert healthy["consistency"] == {"ok": True, "problems": []}
+    assert not broken["consistency"]["ok"]
+    assert {p["field"] for p in broken["consistency"]["problems"]} == {
+        "len(region_mem_types)", "block_strides[1]"}
+    assert "(pp 0, tp 1)" in out.stderr        # the healthy rank 0 is not blamed
+
+    out = probe("probe", target, "--tp", "0")
+    assert out.returncode == 0 and "metadata: consistent" in out.stdout

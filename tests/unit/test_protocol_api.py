@@ -11,6 +11,7 @@ import kvbridge_agent.sidechannel as sidechannel
 
 PROTOCOL_API = {
     "GET_META_MSG",
+    "MEMORY_TYPES",
     "NIXL_CONNECTOR_VERSION",
     "SHARED_REGION_GROUP_ID",
     "CompatibilityFactors",
@@ -30,6 +31,7 @@ PROTOCOL_API = {
     "RequestDecodeError",
     "Rule",
     "TimestampDecodeError",
+    "check_metadata",
     "ValidationOptions",
     "Verdict",
     "check_compatibility",

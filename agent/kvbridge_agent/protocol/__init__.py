@@ -14,6 +14,7 @@ so the operator validates KVEndpoints with exactly the rules the agent's handsha
 """
 
 from ._compat import CompatibilityFactors, check_compatibility, compatibility_hash
+from ._consistency import MEMORY_TYPES, check_metadata
 from ._engine import EffectiveRegions, EngineGeometry, RegionGeometry, effective_regions
 from ._errors import (
     EngineIdMismatchError,
@@ -53,6 +54,7 @@ from ._wire import (
 
 __all__ = [
     "GET_META_MSG",
+    "MEMORY_TYPES",
     "NIXL_CONNECTOR_VERSION",
     "SHARED_REGION_GROUP_ID",
     "CompatibilityFactors",
@@ -75,6 +77,7 @@ __all__ = [
     "ValidationOptions",
     "Verdict",
     "check_compatibility",
+    "check_metadata",
     "compatibility_hash",
     "decode_handshake",
     "decode_metadata",

@@ -19,6 +19,7 @@ from ..protocol import (
     NixlAgentMetadata,
     NixlHandshakePayload,
     ProtocolError,
+    check_metadata,
     compatibility_hash,
     make_payload,
     validate_remote,
@@ -388,6 +389,9 @@ class AgentService:
                 self.agent.remove_remote(agent_name)
 
     def _validate(self, meta: NixlAgentMetadata, ref: PeerRef) -> Any:
+        broken = check_metadata(meta)   # a peer inconsistent with itself, whatever we are
+        if not broken.ok:
+            return broken
         e = self.engine
         remote = EngineGeometry.from_metadata(
             meta, tp_size=ref.tp_size, is_mla=e.is_mla, num_kv_heads=e.num_kv_heads,
