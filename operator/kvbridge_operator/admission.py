@@ -6,29 +6,29 @@ and belongs to the planner, which runs the agent's own ``validate_remote``.
 
 KVEndpoint: protocol version, TP rank below TP size, unique region names, block stride at
 least block length, memory types valid for the role and mode (push rejects mixed memory,
-a pull producer must be single-type, mixed memory needs MLA), immutable identity fields and
-a non-decreasing epoch on update.
+a pull producer must be single-type, mixed memory needs MLA), a side-channel host that is an
+IP or a DNS name without a port, immutable identity fields and a non-decreasing epoch on
+update.
 
 KVTransfer: protocol version, TP sizes that divide one another, the topology key of the
-TopologyAware policy, compatible expected block sizes and region counts.
+TopologyAware policy, the label keys of both selectors (Kubernetes' syntax), compatible
+expected block sizes and region counts.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from kvbridge_agent.geometry import GeometryError, tp_ratio
 from kvbridge_agent.protocol import NIXL_CONNECTOR_VERSION
 
+from . import syntax
 from .config import PREFILL
 from .errors import SpecError
 from .spec import Endpoint, parse_endpoint, parse_transfer
 
 IMMUTABLE_ENDPOINT_FIELDS = ("transferName", "role", "engineId", "podName")
-_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 def _protocol(path: str, version: int) -> list[str]:
@@ -51,11 +51,19 @@ def check_endpoint(body: Mapping[str, Any], old: Mapping[str, Any] | None = None
         errors.append(
             f"spec.tpRank: expected a rank below spec.tpSize ({e.tp_size}), got {e.tp_rank}"
         )
+    errors += _references(e)
     errors += _regions(e)
     errors += _memory(e)
     if old:
         errors += _update(e, old)
     return errors
+
+
+def _references(e: Endpoint) -> list[str]:
+    """The side-channel host: an IP or a DNS name, no port (object names are patterns in
+    the schema)."""
+    want = syntax.host(e.host)
+    return [] if want is None else [f"spec.sideChannel.host: expected {want}, got {e.host!r}"]
 
 
 def _regions(e: Endpoint) -> list[str]:
@@ -152,11 +160,13 @@ def check_transfer(body: Mapping[str, Any], old: Mapping[str, Any] | None = None
             f"spec.pairing.topologyKey: only used by policy TopologyAware, got it with "
             f"policy {t.policy}; remove it or set spec.pairing.policy: TopologyAware"
         )
-    if t.topology_key and not _is_label_key(t.topology_key):
-        errors.append(
-            f"spec.pairing.topologyKey: expected a label key ([prefix/]name, name <= 63 "
-            f"alphanumeric, '-', '_' or '.'), got {t.topology_key!r}"
-        )
+    if t.topology_key and (want := syntax.label_key(t.topology_key)) is not None:
+        errors.append(f"spec.pairing.topologyKey: expected {want}, got {t.topology_key!r}")
+    spec = body.get("spec") or {}
+    for role in ("prefill", "decode"):
+        raw = (spec.get(role) or {}).get("selector")
+        if isinstance(raw, Mapping):
+            errors += _selector(raw, f"spec.{role}.selector")
     pe, de = t.prefill.expected, t.decode.expected
     if pe and de and pe.block_size and de.block_size and de.block_size % pe.block_size:
         errors.append(
@@ -172,8 +182,12 @@ def check_transfer(body: Mapping[str, Any], old: Mapping[str, Any] | None = None
     return errors
 
 
-def _is_label_key(key: str) -> bool:
-    prefix, _, name = key.rpartition("/")
-    if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix)):
-        return False
-    return bool(_LABEL_NAME.fullmatch(name))
+def _selector(raw: Mapping[str, Any], path: str) -> list[str]:
+    """The label keys of a selector in Kubernetes' syntax: a key no label can have would
+    silently exclude every endpoint. (Label values are patterns in the schema; a map's keys
+    cannot be, on Kubernetes 1.20.)"""
+    keys = [(f"{path}.matchLabels[{key!r}]", str(key)) for key in raw.get("matchLabels") or {}]
+    keys += [(f"{path}.matchExpressions[{i}].key", str((expr or {}).get("key", "")))
+             for i, expr in enumerate(raw.get("matchExpressions") or ())]
+    return [f"{where}: expected {want}, got {key!r}"
+            for where, key in keys if (want := syntax.label_key(key)) is not None]

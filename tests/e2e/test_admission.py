@@ -109,6 +109,27 @@ CASES: list[tuple[str, str, str, Mutate, str]] = [
     ("selector-values", TRANSFERS, "",
      _set("spec.prefill.selector", {"matchExpressions": [{"key": "a", "operator": "In"}]}),
      "spec.prefill.selector.matchExpressions[0].values"),
+    # -- Kubernetes' own syntax for what names Kubernetes things (schema, else webhook)
+    ("selector-label-key", TRANSFERS, "",
+     _set("spec.decode.selector", {"matchLabels": {"app/ x": "decode"}}),
+     "spec.decode.selector.matchLabels['app/ x']: expected a label key"),
+    ("selector-label-value", TRANSFERS, "",
+     _set("spec.decode.selector", {"matchLabels": {"app": "de code"}}),
+     "spec.decode.selector.matchLabels.app in body should match"),
+    ("selector-expression-key", TRANSFERS, "",
+     _set("spec.prefill.selector", {"matchExpressions": [
+         {"key": "-bad", "operator": "Exists"}]}),
+     "spec.prefill.selector.matchExpressions[0].key: expected a label key"),
+    ("selector-expression-value", TRANSFERS, "",
+     _set("spec.prefill.selector", {"matchExpressions": [
+         {"key": "zone", "operator": "In", "values": ["a", "x" * 64]}]}),
+     "spec.prefill.selector.matchExpressions.values in body should be at most 63"),
+    ("host-with-port", ENDPOINTS, "decode", _set("spec.sideChannel.host", "10.0.3.7:5600"),
+     "spec.sideChannel.host: expected an IP address or a DNS name without a port"),
+    ("pod-name-syntax", ENDPOINTS, "decode", _set("spec.podName", "Decode_0"),
+     "spec.podName in body should match"),
+    ("transfer-name-syntax", ENDPOINTS, "decode", _set("spec.transferName", "my transfer"),
+     "spec.transferName in body should match"),
 ]  # fmt: skip
 
 

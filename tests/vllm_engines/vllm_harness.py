@@ -205,6 +205,16 @@ class EngineProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def wait_exit(self, timeout: float = 30.0) -> int | None:
+        """The exit status once the process has exited, None if it still runs at
+        ``timeout`` (a refused start-up closes its output a moment before it exits)."""
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
     # -- diagnostics --------------------------------------------------------------------
     def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
         """The last ``chars`` characters of the engine's stderr log."""
