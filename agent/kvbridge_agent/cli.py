@@ -177,25 +177,19 @@ def _probe(args: argparse.Namespace) -> int:
         print(json.dumps(_probe_json(result, broken, verdicts), indent=2))
     else:
         _print_human(result, broken, verdicts)
-    bad = [(rank, v) for rank, v in broken.items() if not v.ok]
-    if bad:
-        (pp, tp), verdict = bad[0]
-        raise _Failure(
-            EXIT_PROTOCOL,
-            f"broken metadata: rank (pp {pp}, tp {tp}) of {result.endpoint}: "
-            f"{verdict.summary(limit=3)}"
-            + (f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""),
-        )
-    bad = [(rank, v) for rank, v in (verdicts or {}).items() if not v.ok]
-    if bad:
-        (pp, tp), verdict = bad[0]
-        raise _Failure(
-            EXIT_INCOMPATIBLE,
-            f"incompatible: rank (pp {pp}, tp {tp}) of {result.endpoint}: "
-            f"{verdict.summary(limit=3)}"
-            + (f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""),
-        )
+    _fail_on_first(broken, EXIT_PROTOCOL, "broken metadata", result.endpoint)
+    _fail_on_first(verdicts or {}, EXIT_INCOMPATIBLE, "incompatible", result.endpoint)
     return EXIT_OK
+
+
+def _fail_on_first(verdicts: dict, code: int, what: str, endpoint: str) -> None:
+    """Raise the probe's one-line failure for the first rank whose verdict is not ok."""
+    bad = [(rank, v) for rank, v in verdicts.items() if not v.ok]
+    if bad:
+        (pp, tp), verdict = bad[0]
+        more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
+        raise _Failure(code, f"{what}: rank (pp {pp}, tp {tp}) of {endpoint}: "
+                             f"{verdict.summary(limit=3)}{more}")
 
 
 def _load_geometry(path: Path) -> EngineGeometry:
