@@ -6,8 +6,9 @@ group a decode list no longer than the prefill's (the decode's prefix hits short
 For that shape everything except the block ids is fixed once the peer is loaded: the two
 prepared lists, the descriptor-id layouts and the completion message's consumer count.
 :class:`ReadRoute` holds them; :meth:`ReadRoute.read_ids` turns a request's block ids into
-the paired descriptor ids, the same numbers ``plan_read_ids`` computes (a property test in
-``tests/unit`` compares them), or returns None for a request the general planner handles.
+the paired descriptor ids, the same numbers ``plan_read_ids`` computes (a property test,
+``tests/integration/test_read_route.py``, compares them), or returns None for a request the
+general planner handles.
 
 Pure given its inputs: the NIXL lists are built by the pull engine and only carried here.
 """
@@ -59,7 +60,7 @@ class ReadRoute:
     local_consumers: int
     label: str
     #: the local regions' block lengths (what one descriptor of each region moves)
-    block_lens: np.ndarray | None = None
+    block_lens: np.ndarray
     _id_bytes: dict[int, int] = field(default_factory=dict, repr=False)
 
     def id_bytes(self, group: int) -> int:
@@ -67,7 +68,6 @@ class ReadRoute:
         go to, as the layout maps them (every region when there is one group)."""
         got = self._id_bytes.get(group)
         if got is None:
-            assert self.block_lens is not None
             layout = self.local_layout
             regions = layout.targets(group) if layout.uses_group_mapping else slice(None)
             got = self._id_bytes[group] = int(self.block_lens[regions].sum())

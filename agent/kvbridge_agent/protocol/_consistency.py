@@ -17,7 +17,9 @@ from ._wire import SHARED_REGION_GROUP_ID, NixlAgentMetadata
 
 __all__ = ["MEMORY_TYPES", "check_metadata"]
 
-#: The memory types a region may declare (spec §1.3 ``region_mem_types``).
+#: The memory types a region may declare (spec §1.3 ``region_mem_types``); the same as
+#: ``geometry.MEM_TYPES``, which protocol cannot import (geometry needs numpy; protocol
+#: imports nothing impure, tests/unit/test_protocol_api.py) — a unit test keeps them equal.
 MEMORY_TYPES = ("DRAM", "VRAM")
 
 _PER_REGION: tuple[tuple[str, Rule], ...] = (
