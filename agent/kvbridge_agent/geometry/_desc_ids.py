@@ -25,9 +25,7 @@ __all__ = ["DescIdLayout", "compute_desc_ids"]
 _VECTOR_GROUPS = 4
 # Group ids index kv_cache_config.transfer_groups; anything this large is corrupt metadata.
 _MAX_GROUPS = 1 << 16
-_I64 = np.dtype(np.int64)
 _U64 = np.dtype(np.uint64)
-_min = np.minimum.reduce
 _max = np.maximum.reduce
 
 
@@ -289,7 +287,12 @@ class DescIdLayout:
                 raise self._range_error(entries[g], self.targets(g), g)
             singles = single[slots]
             if (singles >= 0).all():
-                # one region per group (the region-mapped call): ids keep their order
+                # one region per group (the region-mapped call): ids keep their order;
+                # equal lists (the usual case) broadcast in place instead of repeating
+                if int(live_lens.min()) == int(live_lens.max()):
+                    rows = flat.reshape(live_lens.size, -1)
+                    rows += self.offsets[singles][:, None]
+                    return flat
                 return flat + np.repeat(self.offsets[singles], live_lens)
         out = np.empty(int((lens[live] * n_targets[slots]).sum()), dtype=np.int64)
         pos = 0
@@ -300,120 +303,6 @@ class DescIdLayout:
             np.add(offs[:, None], ids[None, :], out=out[pos : pos + n].reshape(offs.size, -1))
             pos += n
         return out
-
-
-def _entry(e: object) -> np.ndarray | None:
-    """One block-id list as a 1-D int64 array, or None when ``as_ids`` must decide."""
-    if type(e) is np.ndarray:
-        return e if e.dtype is _I64 and e.ndim == 1 else None
-    if type(e) is list or type(e) is tuple:
-        a = np.asarray(e)
-        if a.ndim == 1 and (a.dtype is _I64 or a.size == 0):
-            return a if a.size else np.empty(0, dtype=np.int64)
-    return None
-
-
-def _one_shot(block_ids, region_num_blocks, region_group_ids, uses, k) -> np.ndarray | None:
-    """``compute_desc_ids`` without a ``DescIdLayout``, or None to take the full path.
-
-    Returns None (never raises) for anything that is invalid or unusual; only inputs that
-    the full path accepts are answered here, with identical ids. Lists of Python lists are
-    still converted one ``np.asarray`` per list: ``np.fromiter`` over all of them measured
-    about 35 % faster but silently truncates floats (and takes other non-ints), which would
-    turn the dtype errors of the full path into wrong ids.
-    """
-    if type(block_ids) is not list and type(block_ids) is not tuple:
-        return None
-    if k is not None and (type(k) is not int or k < 1):
-        return None
-    caps = region_num_blocks if type(region_num_blocks) is np.ndarray else np.asarray(
-        region_num_blocks)
-    gids = region_group_ids if type(region_group_ids) is np.ndarray else np.asarray(
-        region_group_ids)
-    if (caps.ndim != 1 or gids.ndim != 1 or caps.shape != gids.shape or not caps.size
-            or caps.dtype.kind not in "iu" or gids.dtype.kind not in "iu"):
-        return None
-    if caps.dtype is not _I64:
-        caps = caps.astype(np.int64)
-    if gids.dtype is not _I64:
-        gids = gids.astype(np.int64)
-    cap_min = int(_min(caps))
-    g_lo, g_hi = int(_min(gids)), int(_max(gids))
-    if cap_min < 0 or g_lo < -1 or g_hi >= _MAX_GROUPS:
-        return None
-    entries = []
-    for e in block_ids:
-        a = _entry(e)
-        if a is None:
-            return None
-        entries.append(a)
-    if k is not None and k != 1:
-        caps = caps * k
-        cap_min *= k
-    if uses is None:
-        uses = g_lo != g_hi
-    if not uses:
-        flat = entries[0] if len(entries) == 1 else (
-            np.concatenate(entries) if entries else empty_ids())
-        if not flat.size:
-            return empty_ids()
-        if int(_max(flat.view(_U64))) >= cap_min:
-            return None
-        offsets = np.cumsum(caps)
-        offsets -= caps
-        return np.add.outer(offsets, flat).ravel()
-    return _one_shot_grouped(entries, caps, gids, g_hi)
-
-
-def _one_shot_grouped(entries: list[np.ndarray], caps: np.ndarray, gids: np.ndarray,
-                      g_hi: int) -> np.ndarray | None:
-    live = [g for g, e in enumerate(entries) if e.size]
-    if not live:
-        return empty_ids()
-    offsets = np.cumsum(caps)
-    offsets -= caps
-    if len(live) <= _VECTOR_GROUPS:
-        shared = gids == -1
-        plan = []
-        total = 0
-        for g in live:
-            targets = np.flatnonzero((gids == g) | shared)
-            ids = entries[g]
-            if not targets.size or int(_max(ids.view(_U64))) >= int(_min(caps[targets])):
-                return None
-            plan.append((offsets[targets], ids))
-            total += targets.size * ids.size
-        if len(plan) == 1:
-            return np.add.outer(*plan[0]).ravel()
-        out = np.empty(total, dtype=np.int64)     # one allocation: fresh pages are costly
-        pos = 0
-        for offs, ids in plan:
-            n = offs.size * ids.size
-            np.add(offs[:, None], ids[None, :], out=out[pos:pos + n].reshape(offs.size, -1))
-            pos += n
-        return out
-    # Many groups: only the one-region-per-group layout of region-mapped calls.
-    if live[-1] > g_hi:
-        return None
-    counts = np.bincount(gids + 1, minlength=g_hi + 2)
-    live_a = np.array(live)
-    if counts[0] or (counts[live_a + 1] != 1).any():
-        return None
-    region_of = np.empty(g_hi + 1, dtype=np.int64)
-    region_of[gids] = np.arange(gids.size)
-    regions = region_of[live_a]
-    lens = [entries[g].size for g in live]
-    flat = np.concatenate([entries[g] for g in live])
-    region_caps = caps[regions]
-    # one reduction against the smallest capacity; the exact per-id check only if needed
-    if int(_max(flat.view(_U64))) >= int(_min(region_caps)) and (
-            flat.view(_U64) >= np.repeat(region_caps, lens)).any():
-        return None
-    if min(lens) == max(lens):                # equal lists: broadcast instead of repeat
-        out = flat.reshape(len(lens), lens[0])
-        out += offsets[regions][:, None]
-        return flat
-    return flat + np.repeat(offsets[regions], lens)
 
 
 def compute_desc_ids(
@@ -443,10 +332,6 @@ def compute_desc_ids(
     and region; ``region_names`` adds layer names to messages). For repeated calls on one
     layout, build a :class:`DescIdLayout` once and call its ``desc_ids``.
     """
-    fast = _one_shot(block_ids, region_num_blocks, region_group_ids, uses_group_mapping,
-                     block_size_ratio)
-    if fast is not None:
-        return fast
     layout = DescIdLayout(
         region_num_blocks,
         region_group_ids,

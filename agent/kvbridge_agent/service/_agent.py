@@ -629,15 +629,14 @@ class AgentService:
         (``geometry.GeometryError``). The request completes when the prefill's WRITE
         notifications arrive (:meth:`wait_received`, :meth:`completions`); without them it
         expires after ``lease_s`` (default 30 s)."""
-        from ..geometry import compute_desc_ids, expand_logical_to_kernel
+        from ..geometry import expand_logical_to_kernel
 
         if self.engine.role != DECODE or self.engine.mode != "push":
             raise RuntimeError(f"agent {self.agent_name}: expect needs a decode agent in "
                                "push mode")
         ids = [[int(b) for b in g] for g in local_block_ids]
-        compute_desc_ids([expand_logical_to_kernel(g, self.engine.ppl) for g in ids],
-                         self.plan.region_num_blocks, self.plan.group_ids,
-                         region_names=self.plan.names)
+        self.local.desc_layout(1, False).desc_ids(
+            [expand_logical_to_kernel(g, self.engine.ppl) for g in ids])
         with self._lock:
             tracker = self._waiting_side("expect")
             self._released.pop(request_id, None)
