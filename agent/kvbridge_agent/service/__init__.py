@@ -15,7 +15,11 @@ peers the operator assigns, and run transfers against them (DESIGN flows 1, 4, 5
   remote agent), handshakes with every new one (side channel, hash, engine id, then
   ``protocol.validate_remote``) and loads it into NIXL. Results are :class:`PeerReport`
   items, which :mod:`.kube` writes to ``status.handshakes``;
-- **transfer** (flow 5), by role and mode (spec §4, §5):
+- **transfer** (flow 5), by the agent's :class:`Side`, chosen once from role and mode (spec
+  §4, §5): a PULLER or PUSHER moves bytes, a RECEIVER waits for the other side's
+  completion notifications. A call another side makes raises :class:`WrongSideError`; every
+  error of the service derives from :class:`AgentError`, and handshakes end in a
+  :class:`HandshakeOutcome`:
 
   ============  ===========================================  ===================================
   mode          prefill                                      decode
@@ -43,20 +47,32 @@ fetches run without the lock. Every wait has a deadline.
 
 from ._agent import AgentService
 from ._types import (
+    AgentClosedError,
+    AgentError,
     AgentSettings,
     EngineInfo,
+    HandshakeOutcome,
     PeerRef,
     PeerReport,
+    Side,
     StalePeerError,
     TransferResult,
+    UnknownRequestError,
+    WrongSideError,
 )
 
 __all__ = [
+    "AgentClosedError",
+    "AgentError",
     "AgentService",
     "AgentSettings",
     "EngineInfo",
+    "HandshakeOutcome",
     "PeerRef",
     "PeerReport",
+    "Side",
     "StalePeerError",
     "TransferResult",
+    "UnknownRequestError",
+    "WrongSideError",
 ]

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import metrics
 from ..geometry import CacheView, RegionPlan, plan_regions
@@ -26,15 +26,34 @@ from ..protocol import (
 )
 from ._types import (
     DECODE,
-    PREFILL,
+    AgentClosedError,
     AgentSettings,
     EngineInfo,
+    HandshakeOutcome,
     PeerRef,
     PeerReport,
+    Side,
     StalePeerError,
     TransferResult,
+    UnknownRequestError,
+    WrongSideError,
     utc_timestamp,
 )
+
+if TYPE_CHECKING:   # NIXL and ZMQ load when an agent starts, not when this module imports
+    from ..nixl import (
+        CompletionTracker,
+        LocalEngine,
+        NixlAgent,
+        PullEngine,
+        PullRequest,
+        PushEngine,
+        PushRequest,
+        TransferDone,
+        TransferFailure,
+    )
+    from ..protocol import Verdict
+    from ..sidechannel import SideChannelClient, SideChannelServer
 
 __all__ = ["AgentService"]
 
@@ -73,6 +92,7 @@ class AgentService:
     ) -> None:
         self.plan = views if isinstance(views, RegionPlan) else plan_regions(list(views))
         self.engine = engine
+        self.side = Side.of(engine.role, engine.mode)
         self.settings = settings or AgentSettings()
         self.hash = compat if isinstance(compat, str) else compatibility_hash(compat)
         self.epoch = int(self.settings.epoch if self.settings.epoch is not None
@@ -83,7 +103,7 @@ class AgentService:
         self._cond = threading.Condition(self._lock)
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._reports: dict[str, PeerReport] = {}
-        self._results: dict[str, Any] = {}
+        self._results: dict[str, TransferDone | TransferFailure] = {}
         self._started: dict[str, float] = {}
         self._expected: dict[str, list[list[int]]] = {}   # decode, push: rid -> local ids
         self._released: dict[str, str] = {}               # rid -> ReleaseReason, for waiters
@@ -92,13 +112,14 @@ class AgentService:
         self.notifications_received = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._client: Any = None
-        self.agent: Any = None
-        self.local: Any = None
-        self.pull_engine: Any = None
-        self.push_engine: Any = None
-        self.tracker: Any = None
-        self.server: Any = None
+        self._client: SideChannelClient | None = None
+        self.agent: NixlAgent | None = None
+        self.local: LocalEngine | None = None
+        #: the engine that moves bytes (a puller's PullEngine, a pusher's PushEngine)
+        self._mover: PullEngine | PushEngine | None = None
+        #: completion notifications of the other side (a receiver, or kv_both's producer)
+        self.tracker: CompletionTracker | None = None
+        self.server: SideChannelServer | None = None
         self.metadata: NixlAgentMetadata | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -132,12 +153,11 @@ class AgentService:
                 e.engine_id, tp_rank=e.tp_rank, tp_size=e.tp_size, block_size=e.block_size,
                 ppl=e.ppl, num_blocks=e.num_blocks, device_id=e.device_id))
             self.metadata = self._build_metadata()
-            if e.role == DECODE and e.mode == "pull":
-                self.pull_engine = PullEngine(self.local, timeout_s=s.transfer_timeout_s)
-            elif e.role == PREFILL and e.mode == "push":
-                self.push_engine = PushEngine(self.local, timeout_s=s.transfer_timeout_s)
-            if self._mover is None or s.producer_too:
-                # the side that waits for completion notifications
+            if self.side is Side.PULLER:
+                self._mover = PullEngine(self.local, timeout_s=s.transfer_timeout_s)
+            elif self.side is Side.PUSHER:
+                self._mover = PushEngine(self.local, timeout_s=s.transfer_timeout_s)
+            if not self.side.moves or s.producer_too:
                 self.tracker = CompletionTracker(on_release=self._on_release)
             if s.serve_side_channel:
                 self.server = SideChannelServer(
@@ -177,11 +197,10 @@ class AgentService:
             self._client.close()
             self._client = None
         with self._lock:
-            for engine in (self.pull_engine, self.push_engine):
-                if engine is not None:
-                    with contextlib.suppress(Exception):
-                        engine.close()
-            self.pull_engine = self.push_engine = None
+            if self._mover is not None:
+                with contextlib.suppress(Exception):
+                    self._mover.close()
+                self._mover = None
             if self.agent is not None:
                 with contextlib.suppress(Exception):
                     self.agent.close()
@@ -315,10 +334,14 @@ class AgentService:
         metrics.PEERS.set(len(self._peers))
 
     @property
-    def _mover(self) -> Any:
-        """The engine that moves bytes (pull: decode's PullEngine, push: prefill's PushEngine);
-        it needs the peer's full memory description, the other side only its NIXL agent."""
-        return self.pull_engine if self.pull_engine is not None else self.push_engine
+    def pull_engine(self) -> PullEngine | None:
+        """A puller's PullEngine (None on the other sides)."""
+        return self._mover if self.side is Side.PULLER else None
+
+    @property
+    def push_engine(self) -> PushEngine | None:
+        """A pusher's PushEngine (None on the other sides)."""
+        return self._mover if self.side is Side.PUSHER else None
 
     def handshake(self, ref: PeerRef) -> PeerReport:
         """Fetch ``ref``'s v11 metadata, validate it and load it into NIXL. Never raises for
@@ -327,8 +350,10 @@ class AgentService:
         from ..sidechannel import HandshakeTimeoutError, RemoteRejectedError, SideChannelError
 
         started = time.perf_counter()
-        result, message, agent_name = "error", "", ""
+        result, message, agent_name = HandshakeOutcome.ERROR, "", ""
         try:
+            if self._client is None:
+                raise AgentClosedError(f"agent {self.agent_name} is not started or closed")
             got = self._client.fetch(
                 ref.host, ref.port, [(0, ref.tp_rank)],
                 timeout_s=self.settings.handshake_timeout_s, local_hash=self.hash,
@@ -337,11 +362,11 @@ class AgentService:
             meta = got.metadata(0, ref.tp_rank)
             verdict = self._validate(meta, ref)
             if not verdict.ok:
-                result, message = "incompatible", verdict.summary(limit=5)
+                result, message = HandshakeOutcome.INCOMPATIBLE, verdict.summary(limit=5)
             else:
                 with self._lock:
                     if self.agent is None:
-                        raise RuntimeError("agent closed")
+                        raise AgentClosedError(f"agent {self.agent_name} closed")
                     if self._mover is not None:
                         desc = RemoteEngine.from_metadata(
                             meta, tp_rank=ref.tp_rank, tp_size=ref.tp_size,
@@ -359,21 +384,21 @@ class AgentService:
                             f"{agent_name!r}, not the assigned epoch {ref.epoch}")
                     self._peers[ref.key] = _Peer(ref, agent_name)
                     metrics.PEERS.set(len(self._peers))
-                result = "succeeded"
+                result = HandshakeOutcome.SUCCEEDED
         except HandshakeTimeoutError as exc:
-            result, message = "timeout", str(exc)
+            result, message = HandshakeOutcome.TIMEOUT, str(exc)
         except RemoteRejectedError as exc:
-            result, message = "rejected", str(exc)
+            result, message = HandshakeOutcome.REJECTED, str(exc)
         except StalePeerError as exc:
-            result, message = "stale", str(exc)
+            result, message = HandshakeOutcome.STALE, str(exc)
         except (ProtocolError, UnsupportedTransferError) as exc:
-            result, message = "incompatible", f"{type(exc).__name__}: {exc}"
+            result, message = HandshakeOutcome.INCOMPATIBLE, f"{type(exc).__name__}: {exc}"
         except (SideChannelError, Exception) as exc:
-            result, message = "error", f"{type(exc).__name__}: {exc}"
+            result, message = HandshakeOutcome.ERROR, f"{type(exc).__name__}: {exc}"
         elapsed = time.perf_counter() - started
-        metrics.HANDSHAKES.labels(result).inc()
+        metrics.HANDSHAKES.labels(result.value).inc()
         metrics.HANDSHAKE_SECONDS.observe(elapsed)
-        ok = result == "succeeded"
+        ok = result is HandshakeOutcome.SUCCEEDED
         (log.info if ok else log.warning)(
             "agent %s: handshake with %s (%s rank %d epoch %s at %s:%d): %s%s",
             self.agent_name, ref.name, ref.engine_id, ref.tp_rank, ref.epoch, ref.host,
@@ -385,10 +410,10 @@ class AgentService:
         with contextlib.suppress(Exception):
             if self._mover is not None:
                 self._mover.remove_remote(ref.engine_id, ref.tp_rank)
-            else:
+            elif self.agent is not None:
                 self.agent.remove_remote(agent_name)
 
-    def _validate(self, meta: NixlAgentMetadata, ref: PeerRef) -> Any:
+    def _validate(self, meta: NixlAgentMetadata, ref: PeerRef) -> Verdict:
         broken = check_metadata(meta)   # a peer inconsistent with itself, whatever we are
         if not broken.ok:
             return broken
@@ -424,8 +449,7 @@ class AgentService:
         req = self._pull_request(request_id, remote_engine_id, local_block_ids,
                                  remote_block_ids, remote_request_id=remote_request_id,
                                  timeout_s=timeout_s)
-        assert self.pull_engine is not None
-        return self._transfer(self.pull_engine, req, expected_epoch, float(req.timeout_s))
+        return self._transfer(req, expected_epoch, float(req.timeout_s))
 
     def start_pull(
         self,
@@ -446,11 +470,11 @@ class AgentService:
                                  remote_block_ids, remote_request_id=remote_request_id,
                                  num_computed_blocks=num_computed_blocks,
                                  remote_num_tokens=remote_num_tokens, timeout_s=timeout_s)
-        assert self.pull_engine is not None
         with self._lock:
+            mover = self._mover_for("start_pull", Side.PULLER)
             self._async.add(request_id)
             self._started[request_id] = time.perf_counter()
-            self.pull_engine.start(req)
+            mover.start(req)
 
     def take_pull_results(self) -> list[TransferResult]:
         """Pulls started by :meth:`start_pull` that ended (finished or failed) as of the last
@@ -474,12 +498,11 @@ class AgentService:
         *,
         timeout_s: float | None,
         **optional: Any,
-    ) -> Any:
+    ) -> PullRequest:
         """The engine's ``PullRequest`` (the settings' deadline unless one is given)."""
         from ..nixl import PullRequest
 
-        if self.pull_engine is None:
-            raise RuntimeError(f"agent {self.agent_name}: pull needs a decode agent in pull mode")
+        self._mover_for("pull", Side.PULLER)
         timeout = self.settings.transfer_timeout_s if timeout_s is None else float(timeout_s)
         return PullRequest(request_id=request_id, remote_engine_id=remote_engine_id,
                            local_block_ids=local_block_ids, remote_block_ids=remote_block_ids,
@@ -519,20 +542,32 @@ class AgentService:
         """
         from ..nixl import PushRequest
 
-        if self.push_engine is None:
-            raise RuntimeError(
-                f"agent {self.agent_name}: push needs a prefill agent in push mode")
+        self._mover_for("push", Side.PUSHER)
         timeout = self.settings.transfer_timeout_s if timeout_s is None else float(timeout_s)
-        return self._transfer(self.push_engine, PushRequest(
+        return self._transfer(PushRequest(
             request_id=request_id, remote_engine_id=remote_engine_id,
             local_block_ids=local_block_ids, remote_block_ids=remote_block_ids,
             timeout_s=timeout), expected_epoch, timeout)
 
-    def _transfer(self, engine: Any, req: Any, expected_epoch: int | None,
-                  timeout: float) -> TransferResult:
+    def _mover_for(self, what: str, side: Side) -> PullEngine | PushEngine:
+        """This agent's mover, when ``what`` is a call of ``side``; else WrongSideError."""
+        if self.side is not side:
+            need = "a decode agent in pull mode" if side is Side.PULLER else (
+                "a prefill agent in push mode")
+            raise WrongSideError(f"agent {self.agent_name}: {what} needs {need}; this agent "
+                                 f"is a {self.side.value} ({self.engine.role}, "
+                                 f"{self.engine.mode} mode)")
+        if self._mover is None:
+            raise AgentClosedError(f"agent {self.agent_name} is not started or closed")
+        return self._mover
 
+    def _transfer(self, req: PullRequest | PushRequest, expected_epoch: int | None,
+                  timeout: float) -> TransferResult:
         request_id, remote_engine_id = req.request_id, req.remote_engine_id
         with self._lock:
+            engine = self._mover
+            if engine is None:
+                raise AgentClosedError(f"agent {self.agent_name} is not started or closed")
             ranks = [p for k, p in self._peers.items() if k[0] == remote_engine_id]
             if expected_epoch is not None and any(p.ref.epoch != expected_epoch for p in ranks):
                 return self._failed(request_id, "stale_peer",
@@ -555,7 +590,8 @@ class AgentService:
             seconds = time.perf_counter() - self._started.pop(request_id, started)
         return self._outcome(request_id, res, seconds)
 
-    def _outcome(self, request_id: str, res: Any, seconds: float) -> TransferResult:
+    def _outcome(self, request_id: str, res: TransferDone | TransferFailure,
+                 seconds: float) -> TransferResult:
         """An engine's ``TransferDone`` / ``TransferFailure`` as a counted ``TransferResult``."""
         from ..nixl import TransferFailure
 
@@ -572,10 +608,10 @@ class AgentService:
         log.warning("transfer %s failed (%s): %s", request_id, cause, message)
         return TransferResult(request_id, False, cause=cause, message=message)
 
-    def _waiting_side(self, what: str) -> Any:
+    def _waiting_side(self, what: str) -> CompletionTracker:
         if self.tracker is None:
             e = self.engine
-            raise RuntimeError(
+            raise WrongSideError(
                 f"agent {self.agent_name}: {what} is for the side that waits for completion "
                 f"notifications (prefill in pull mode, decode in push mode), not a {e.role} "
                 f"agent in {e.mode} mode")
@@ -631,9 +667,11 @@ class AgentService:
         expires after ``lease_s`` (default 30 s)."""
         from ..geometry import expand_logical_to_kernel
 
-        if self.engine.role != DECODE or self.engine.mode != "push":
-            raise RuntimeError(f"agent {self.agent_name}: expect needs a decode agent in "
-                               "push mode")
+        if self.side is not Side.RECEIVER or self.engine.role != DECODE:
+            raise WrongSideError(f"agent {self.agent_name}: expect needs a decode agent in "
+                                 "push mode")
+        if self.local is None:
+            raise AgentClosedError(f"agent {self.agent_name} is not started or closed")
         ids = [[int(b) for b in g] for g in local_block_ids]
         self.local.desc_layout(1, False).desc_ids(
             [expand_logical_to_kernel(g, self.engine.ppl) for g in ids])
@@ -653,7 +691,8 @@ class AgentService:
         with self._lock:
             tracker = self._waiting_side("wait_received")
             if request_id not in self._expected:
-                raise KeyError(f"request {request_id!r} is not expected (see expect())")
+                raise UnknownRequestError(
+                    f"request {request_id!r} is not expected (see expect())")
             while request_id not in self._released:
                 self._poll_locked()
                 if request_id in self._released:

@@ -6,17 +6,24 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 __all__ = [
     "DECODE",
     "PREFILL",
+    "AgentClosedError",
+    "AgentError",
     "AgentSettings",
     "EngineInfo",
+    "HandshakeOutcome",
     "PeerRef",
     "PeerReport",
+    "Side",
     "StalePeerError",
     "TransferResult",
+    "UnknownRequestError",
+    "WrongSideError",
 ]
 
 PREFILL, DECODE = "prefill", "decode"
@@ -27,8 +34,63 @@ def utc_timestamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-class StalePeerError(RuntimeError):
+class AgentError(Exception):
+    """Base of the agent service's own errors (each also derives from the built-in error
+    callers caught before these existed)."""
+
+
+class WrongSideError(AgentError, RuntimeError):
+    """A call this agent's side does not make (a pull on a prefill agent, for instance)."""
+
+
+class AgentClosedError(AgentError, RuntimeError):
+    """The agent was closed while the call was in flight."""
+
+
+class UnknownRequestError(AgentError, KeyError):
+    """A request id this agent was never told about."""
+
+    def __str__(self) -> str:   # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
+class StalePeerError(AgentError, RuntimeError):
     """A handshake reached an agent of another epoch than the one assigned."""
+
+
+class Side(StrEnum):
+    """What an agent does with the bytes, chosen once from its role and mode.
+
+    PULLER (decode, pull) READs from prefill ranks; PUSHER (prefill, push) WRITEs into
+    decode ranks; RECEIVER (prefill in pull mode, decode in push mode) keeps its blocks for
+    the other side and waits for its completion notifications. Movers load the peer's full
+    memory description at a handshake, a receiver only its NIXL agent.
+    """
+
+    PULLER = "puller"
+    PUSHER = "pusher"
+    RECEIVER = "receiver"
+
+    @classmethod
+    def of(cls, role: str, mode: str) -> Side:
+        if mode == "pull":
+            return cls.PULLER if role == DECODE else cls.RECEIVER
+        return cls.PUSHER if role == PREFILL else cls.RECEIVER
+
+    @property
+    def moves(self) -> bool:
+        return self is not Side.RECEIVER
+
+
+class HandshakeOutcome(StrEnum):
+    """How one handshake ended (the ``result`` label of the handshake metric)."""
+
+    SUCCEEDED = "succeeded"
+    INCOMPATIBLE = "incompatible"
+    TIMEOUT = "timeout"
+    REJECTED = "rejected"
+    STALE = "stale"
+    ERROR = "error"
 
 
 @dataclass(frozen=True)
@@ -148,7 +210,7 @@ class PeerReport:
     epoch: int | None
     ok: bool
     message: str = ""
-    reason: str = ""
+    reason: HandshakeOutcome = HandshakeOutcome.ERROR
     time: str = ""
     agent_name: str = ""
 
