@@ -62,6 +62,21 @@ class ReadRoute:
     #: the local regions' block lengths (what one descriptor of each region moves)
     block_lens: np.ndarray
     _id_bytes: dict[int, int] = field(default_factory=dict, repr=False)
+    #: one transfer group, ppl 1 on both sides (the usual engine): (local offsets, remote
+    #: offsets, smallest local capacity, smallest remote capacity, bytes per id), else None
+    _one_group: tuple[np.ndarray, np.ndarray, int, int, int] | None = field(
+        init=False, default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        lo, ro = self.local_layout, self.remote_layout
+        if (lo.uses_group_mapping or ro.uses_group_mapping or self.local_ppl != 1
+                or self.remote_ppl != 1 or lo.block_size_ratio not in (None, 1)
+                or ro.block_size_ratio not in (None, 1)
+                or not lo.capacities.size or not ro.capacities.size):
+            return
+        object.__setattr__(self, "_one_group", (
+            lo.offsets, ro.offsets, int(lo.capacities.min()), int(ro.capacities.min()),
+            int(self.block_lens.sum())))
 
     def id_bytes(self, group: int) -> int:
         """Bytes one block id of ``group`` moves: the block lengths of the regions its ids
@@ -87,6 +102,10 @@ class ReadRoute:
         """
         if len(local_block_ids) != len(remote_block_ids):
             return None
+        if self._one_group is not None and len(local_block_ids) == 1:
+            got = self._one_group_ids(local_block_ids[0], remote_block_ids[0])
+            if got is not None:
+                return got
         local: list[np.ndarray] = []
         remote: list[np.ndarray] = []
         for lg, rg in zip(local_block_ids, remote_block_ids, strict=True):
@@ -102,6 +121,30 @@ class ReadRoute:
             return None
         nbytes = sum(d.size * self.id_bytes(g) for g, d in enumerate(local) if d.size)
         return lids, rids, nbytes
+
+
+    def _one_group_ids(self, lg: Sequence[int], rg: Sequence[int]
+                       ) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """:meth:`read_ids` for one group at ppl 1 in a few numpy calls: every region reads
+        the same ids at its own offset. None (the general path decides, and raises what it
+        raises) for anything else: other dtypes, no ids, ids out of range."""
+        d = lg if type(lg) is np.ndarray else np.asarray(lg)
+        p = rg if type(rg) is np.ndarray else np.asarray(rg)
+        if (d.ndim != 1 or p.ndim != 1 or d.dtype.kind != "i" or p.dtype.kind != "i"
+                or not 0 < d.size <= p.size):
+            return None
+        loff, roff, lcap, rcap, id_bytes = self._one_group  # type: ignore[misc]
+        d = d.astype(np.int64, copy=False)
+        p = p[p.size - d.size:].astype(np.int64, copy=False)
+        # as uint64 a negative id is huge: one reduction checks both bounds
+        if int(_max(d.view(_U64))) >= lcap or int(_max(p.view(_U64))) >= rcap:
+            return None
+        return (np.add.outer(loff, d).ravel(), np.add.outer(roff, p).ravel(),
+                int(d.size) * id_bytes)
+
+
+_U64 = np.dtype(np.uint64)
+_max = np.maximum.reduce
 
 
 def _kernel_ids(block_ids: Sequence[int], ppl: int) -> np.ndarray | None:
