@@ -122,7 +122,8 @@ CASES: list[tuple[str, EngineGeometry, EngineGeometry, dict, Rule, str, str]] = 
         {},
         Rule.PROTOCOL_VERSION,
         "protocol_version",
-        "local 11 != remote 10",
+        "expected 11 (the NIXL connector version kvbridge speaks), got 10: the wire format "
+        "and the descriptor math differ between versions (remote engine)",
     ),
     (
         "hash",
@@ -346,7 +347,7 @@ CASES: list[tuple[str, EngineGeometry, EngineGeometry, dict, Rule, str, str]] = 
         {},
         Rule.BLOCK_STRIDES,
         "len(block_strides)",
-        "remote has 3 entries for its R = 4 regions: every per-region list",
+        "expected 4 (one entry per region), got 3: every per-region list has one entry",
     ),
     (
         "stride-lt-len",
@@ -355,7 +356,7 @@ CASES: list[tuple[str, EngineGeometry, EngineGeometry, dict, Rule, str, str]] = 
         {},
         Rule.BLOCK_STRIDES,
         "block_strides[2]",
-        "remote stride 1100 < remote block_lens[2] 1152",
+        "expected >= block_lens[2] (1152), got 1100: a block stride must cover its block",
     ),
     (
         "region-num-blocks-len",
@@ -364,7 +365,7 @@ CASES: list[tuple[str, EngineGeometry, EngineGeometry, dict, Rule, str, str]] = 
         {},
         Rule.REGION_NUM_BLOCKS,
         "len(region_num_blocks)",
-        "remote has 2 entries for its R = 4",
+        "expected 4 (one entry per region), got 2",
     ),
     (
         "region-group-ids-len",
@@ -373,7 +374,7 @@ CASES: list[tuple[str, EngineGeometry, EngineGeometry, dict, Rule, str, str]] = 
         {},
         Rule.REGION_GROUP_IDS,
         "len(region_group_ids)",
-        "remote has 3 entries for its R = 4",
+        "expected 4 (one entry per region), got 3",
     ),
     (
         "region-mem-types-len",
@@ -382,7 +383,7 @@ CASES: list[tuple[str, EngineGeometry, EngineGeometry, dict, Rule, str, str]] = 
         {},
         Rule.REGION_MEM_TYPES,
         "len(region_mem_types)",
-        "remote has 1 entries for its R = 4",
+        "expected 4 (one entry per region), got 1",
     ),
     (
         "region-names-len",
@@ -391,7 +392,7 @@ CASES: list[tuple[str, EngineGeometry, EngineGeometry, dict, Rule, str, str]] = 
         {},
         Rule.REGION_NAMES,
         "len(region_names)",
-        "remote has 3 entries for its R = 4",
+        "expected 4 (one entry per region), got 3",
     ),
     (
         "mixed-producer-pull",
@@ -400,8 +401,8 @@ CASES: list[tuple[str, EngineGeometry, EngineGeometry, dict, Rule, str, str]] = 
         {},
         Rule.MIXED_MEMORY,
         "region_mem_types",
-        "local ['VRAM'] vs remote ['DRAM', 'VRAM']: NIXL pull does not yet support a "
-        "mixed-memory producer",
+        "expected one memory type on a pull-mode producer, got ['DRAM', 'VRAM']: NIXL pull "
+        "does not yet support a mixed-memory producer (remote engine)",
     ),
     (
         "mixed-push-local",
@@ -428,7 +429,7 @@ CASES: list[tuple[str, EngineGeometry, EngineGeometry, dict, Rule, str, str]] = 
         {"mode": "push"},
         Rule.PUSH_GROUP_LAYOUT,
         "region_group_ids",
-        "local [0, 0, 1, 1] != remote [0, 1, 1, 1]: "
+        "expected the producer's layout [0, 1, 1, 1], got [0, 0, 1, 1]: "
         "NixlPushConnector does not support different producer and consumer cache-group layouts",
     ),
     (

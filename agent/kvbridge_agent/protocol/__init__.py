@@ -13,6 +13,7 @@ so the operator validates KVEndpoints with exactly the rules the agent's handsha
 - Errors: every failure is a :class:`ProtocolError` (``ValueError``).
 """
 
+from ..rules import NIXL_CONNECTOR_VERSION
 from ._compat import CompatibilityFactors, check_compatibility, compatibility_hash
 from ._consistency import MEMORY_TYPES, check_metadata
 from ._engine import EffectiveRegions, EngineGeometry, RegionGeometry, effective_regions
@@ -34,7 +35,6 @@ from ._verdict import (
     ValidationOptions,
     Verdict,
 )
-from ._version import NIXL_CONNECTOR_VERSION
 from ._wire import (
     GET_META_MSG,
     SHARED_REGION_GROUP_ID,

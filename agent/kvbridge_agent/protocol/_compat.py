@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..rules import NIXL_CONNECTOR_VERSION
 from ._errors import HashMismatchError
-from ._version import NIXL_CONNECTOR_VERSION
 
 _log = logging.getLogger(__name__)
 

@@ -13,18 +13,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ._version import NIXL_CONNECTOR_VERSION
+from ..rules import NIXL_CONNECTOR_VERSION, PER_REGION_LISTS
 from ._wire import NixlAgentMetadata
 
-_TUPLE_FIELDS = (
-    "block_lens",
-    "block_strides",
-    "region_num_blocks",
-    "region_group_ids",
-    "region_names",
-    "region_mem_types",
-    "ssm_sizes",
-)
+_TUPLE_FIELDS = (*PER_REGION_LISTS, "ssm_sizes")
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,10 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
+from .. import rules
+from ._consistency import incompatibility
 from ._engine import EffectiveRegions, EngineGeometry, effective_regions
 from ._verdict import Incompatibility, Mode, Rule, ValidationOptions, Verdict
-from ._version import NIXL_CONNECTOR_VERSION
 
 
 class _Collector:
@@ -31,22 +32,14 @@ class _Collector:
         remote: Any,
         why: str,
         op: str = "!=",
-        text: str | None = None,
     ) -> None:
-        msg = text or f"{field}: local {local!r} {op} remote {remote!r}: {why}"
+        msg = f"{field}: local {local!r} {op} remote {remote!r}: {why}"
         self.problems.append(Incompatibility(rule, field, local, remote, msg))
 
-    def lengths(self, rule: Rule, name: str, values: tuple | None, r: int) -> None:
-        if values is not None and len(values) != r:
-            self.add(
-                rule,
-                f"len({name})",
-                r,
-                len(values),
-                "every per-region list must have one entry per region",
-                text=f"len({name}): remote has {len(values)} entries for its R = {r} regions: "
-                "every per-region list must have one entry per region",
-            )
+    def found(self, finding: rules.Finding | None, *sides: Any) -> None:
+        """A rule-table finding (``sides``: the local and remote values compared)."""
+        if finding is not None:
+            self.problems.append(incompatibility(finding, *sides))
 
 
 def _divides(a: int, b: int) -> bool:
@@ -109,15 +102,8 @@ def _check_identity(
     opts: ValidationOptions,
 ) -> None:
     for side, geom in (("local", local), ("remote", remote)):
-        if geom.protocol_version != NIXL_CONNECTOR_VERSION:
-            c.add(
-                Rule.PROTOCOL_VERSION,
-                "protocol_version",
-                local.protocol_version,
-                remote.protocol_version,
-                f"{side} engine speaks NIXL connector version {geom.protocol_version}, "
-                f"kvbridge speaks {NIXL_CONNECTOR_VERSION}",
-            )
+        c.found(rules.protocol_version(geom.protocol_version, note=f"{side} engine"),
+                local.protocol_version, remote.protocol_version)
     lh, rh = local.compatibility_hash, remote.compatibility_hash
     if opts.enforce_handshake_compat and lh is not None and rh is not None and lh != rh:
         c.add(
@@ -283,23 +269,10 @@ def _check_regions(
         )
     # Per-region lists are checked against the remote's own R: a differing R is reported once
     # above, and a list that disagrees with its own R is what spec §1.6 asserts against.
-    rr = remote.num_regions
-    c.lengths(Rule.BLOCK_STRIDES, "block_strides", remote.block_strides, rr)
-    for i, (stride, blen) in enumerate(zip(remote.block_strides, remote.block_lens, strict=False)):
-        if stride < blen:
-            c.add(
-                Rule.BLOCK_STRIDES,
-                f"block_strides[{i}]",
-                blen,
-                stride,
-                "a block stride must be >= its block_len",
-                text=f"block_strides[{i}]: remote stride {stride} < remote block_lens[{i}] "
-                f"{blen}: a block stride must be >= its block_len",
-            )
-    c.lengths(Rule.REGION_NUM_BLOCKS, "region_num_blocks", remote.region_num_blocks, rr)
-    c.lengths(Rule.REGION_GROUP_IDS, "region_group_ids", remote.region_group_ids, rr)
-    c.lengths(Rule.REGION_MEM_TYPES, "region_mem_types", remote.region_mem_types, rr)
-    c.lengths(Rule.REGION_NAMES, "region_names", remote.region_names, rr)
+    lists = {n: getattr(remote, n) for n in rules.PER_REGION_LISTS[1:]}
+    for finding in (*rules.check_lengths(remote.num_regions, lists),
+                    *rules.check_strides(remote.block_lens, remote.block_strides)):
+        c.found(finding)
     ln, rn = local.region_names, remote.region_names
     if ln is not None and rn is not None:
         for i, (a, b) in enumerate(zip(ln, rn, strict=False)):
@@ -378,44 +351,18 @@ def _check_memory_and_groups(
         remote, local_region_group_ids=local.region_group_ids, local_mem_type=mem_type
     )
     mamba = local.has_mamba or remote.has_mamba
-    if mine.mixed_mem_types and (not local.is_mla or mamba):
-        c.add(
-            Rule.MAMBA,
-            "region_mem_types",
-            sorted(set(mine.mem_types)),
-            sorted(set(theirs.mem_types)),
-            "mixed-device KV registration is only supported for MLA models without Mamba layers",
-            op="vs",
-        )
-    if mode is Mode.PUSH and (mine.mixed_mem_types or theirs.mixed_mem_types):
-        c.add(
-            Rule.MIXED_MEMORY,
-            "region_mem_types",
-            sorted(set(mine.mem_types)),
-            sorted(set(theirs.mem_types)),
-            "NixlPushConnector does not support mixed-memory KV caches",
-            op="vs",
-        )
-    elif theirs.mixed_mem_types:
-        c.add(
-            Rule.MIXED_MEMORY,
-            "region_mem_types",
-            sorted(set(mine.mem_types)),
-            sorted(set(theirs.mem_types)),
-            "NIXL pull does not yet support a mixed-memory producer",
-            op="vs",
-        )
+    kinds = sorted(set(mine.mem_types)), sorted(set(theirs.mem_types))
+    # local = D, the consumer; remote = P, the producer (in both modes)
+    c.found(rules.mixed_needs_mla(mine.mem_types, is_mla=local.is_mla, mamba=mamba,
+                                  note="local engine"), *kinds)
+    c.found(rules.single_memory(mine.mem_types, mode=mode, producer=False, note="local engine")
+            or rules.single_memory(theirs.mem_types, mode=mode, producer=True,
+                                   note="remote engine"), *kinds)
     if len(theirs.group_ids) != len(mine.group_ids) or theirs.group_ids == mine.group_ids:
         return  # equal layouts, or a length problem already reported
     if mode is Mode.PUSH:
-        c.add(
-            Rule.PUSH_GROUP_LAYOUT,
-            "region_group_ids",
-            list(mine.group_ids),
-            list(theirs.group_ids),
-            "NixlPushConnector does not support different producer and consumer "
-            "cache-group layouts",
-        )
+        c.found(rules.push_group_layout(theirs.group_ids, mine.group_ids),
+                list(mine.group_ids), list(theirs.group_ids))
         return
     needs = []
     if not local.is_mla:

@@ -13,6 +13,7 @@ import math
 
 import msgspec
 
+from ..rules import SHARED_GROUP_ID
 from ._compat import check_compatibility
 from ._errors import (
     EngineIdMismatchError,
@@ -25,7 +26,7 @@ from ._errors import (
 GET_META_MSG = b"get_meta_msg"
 """First item of a side-channel request (spec §1.1)."""
 
-SHARED_REGION_GROUP_ID = -1
+SHARED_REGION_GROUP_ID = SHARED_GROUP_ID
 """``region_group_ids`` value of a region overlaid by several transfer groups (spec §1.3)."""
 
 
