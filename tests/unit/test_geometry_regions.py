@@ -202,9 +202,9 @@ def test_plan_errors() -> None:
 
 
 def test_cache_view_field_errors_name_layer_and_field() -> None:
-    with pytest.raises(CacheViewError, match=r"view 'x': block_stride must be >= block_len"):
+    with pytest.raises(CacheViewError, match=r"view 'x': block_stride: expected >= block_len"):
         view("x", 0, length=32, stride=16)
-    with pytest.raises(CacheViewError, match=r"view 'x': mem_type must be one of"):
+    with pytest.raises(CacheViewError, match=r"view 'x': mem_type: expected DRAM or VRAM, got"):
         view("x", 0, mem="HBM")
     with pytest.raises(CacheViewError, match=r"view 'x': group_id must be >= 0"):
         view("x", 0, group=-1)

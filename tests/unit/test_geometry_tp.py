@@ -31,7 +31,8 @@ def test_tp_ratio_errors() -> None:
 def test_handshake_target_ranks() -> None:
     assert [handshake_target_ranks(r, 4, 2) for r in range(4)] == [[0], [0], [1], [1]]
     assert handshake_target_ranks(1, 2, 8) == [4, 5, 6, 7]
-    with pytest.raises(TPMappingError, match=r"local_tp_rank must be in \[0, 2\), got 2"):
+    with pytest.raises(TPMappingError,
+                       match=r"local_tp_rank: expected a rank below local_tp \(2\), got 2"):
         handshake_target_ranks(2, 2, 8)
 
 

@@ -13,6 +13,8 @@ from functools import cached_property
 
 import numpy as np
 
+from .. import rules
+from ..rules import SHARED_GROUP_ID
 from ._errors import (
     GeometryError,
     MemoryTypeConflictError,
@@ -29,9 +31,6 @@ __all__ = [
     "plan_regions",
     "region_sort_key",
 ]
-
-#: Group id of a region overlaid by several transfer groups (vLLM's _SHARED_REGION_GROUP_ID).
-SHARED_GROUP_ID = -1
 
 _RUNS = re.compile(r"\d+|\D+")
 
@@ -311,14 +310,13 @@ def plan_regions(views: Iterable[CacheView]) -> RegionPlan:
         )
         for i, b in enumerate(built)
     )
-    if len({r.mem_type for r in regions}) > 1:
-        non_mla = [r.name for r in regions if not r.is_mla]
-        if non_mla:
-            raise UnsupportedGeometryError(
-                "mixed-device KV registration is only supported for MLA models without "
-                f"Mamba layers; non-MLA region(s): {', '.join(map(repr, non_mla[:5]))}"
-                + (f" and {len(non_mla) - 5} more" if len(non_mla) > 5 else "")
-            )
+    non_mla = [r.name for r in regions if not r.is_mla]
+    more = f" and {len(non_mla) - 5} more" if len(non_mla) > 5 else ""
+    if bad := rules.mixed_needs_mla(
+        (r.mem_type for r in regions), is_mla=not non_mla,
+        note=f"non-MLA region(s): {', '.join(map(repr, non_mla[:5]))}{more}",
+    ):
+        raise UnsupportedGeometryError(bad.message)
     rank = {t: i for i, t in enumerate(MEM_TYPES)}
     registrations = tuple(
         RegistrationRange(start=e[0], length=e[1], device_id=e[2], mem_type=e[3])

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import rules
 from ._errors import GeometryError, TPMappingError
 
 __all__ = ["TPMapping", "compute_tp_mapping", "handshake_target_ranks", "tp_ratio"]
+
+_LOCAL_NAMES = {"tp_rank": "local_tp_rank", "tp_size": "local_tp"}
 
 
 def _check_size(name: str, value: int) -> int:
@@ -16,8 +19,10 @@ def _check_size(name: str, value: int) -> int:
 
 
 def _check_rank(rank: int, size: int) -> int:
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
-        raise TPMappingError(f"local_tp_rank must be in [0, {size}), got {rank!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TPMappingError(f"local_tp_rank must be an int, got {rank!r}")
+    if bad := rules.tp_rank(rank, size, name=_LOCAL_NAMES.__getitem__):
+        raise TPMappingError(bad.message)
     return rank
 
 

@@ -6,12 +6,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .. import rules
+from ..rules import MEM_TYPES
 from ._errors import CacheViewError
 
 __all__ = ["MEM_TYPES", "CacheView", "block_extent", "tensor_mem_type"]
-
-#: NIXL memory types a view can live in. Sorted: registration and dlists go DRAM first.
-MEM_TYPES: tuple[str, ...] = ("DRAM", "VRAM")
 
 
 def block_extent(num_blocks: int, block_stride: int, block_len: int) -> int:
@@ -70,15 +69,10 @@ class CacheView:
         _check_int(n, "block_len", self.block_len, 1)
         _check_int(n, "block_stride", self.block_stride, 1)
         _check_int(n, "device_id", self.device_id, 0)
-        if self.block_stride < self.block_len:
-            raise CacheViewError(
-                f"view {n!r}: block_stride must be >= block_len ({self.block_len}), "
-                f"got {self.block_stride}"
-            )
-        if self.mem_type not in MEM_TYPES:
-            raise CacheViewError(
-                f"view {n!r}: mem_type must be one of {MEM_TYPES}, got {self.mem_type!r}"
-            )
+        if bad := rules.block_stride(self.block_stride, self.block_len):
+            raise CacheViewError(f"view {n!r}: {bad.message}")
+        if bad := rules.mem_type(self.mem_type):
+            raise CacheViewError(f"view {n!r}: {bad.message}")
         if self.addr + self.extent > 2**64:
             raise CacheViewError(f"view {n!r}: blocks extend past the 64-bit address space")
         if (self.reg_base is None) != (self.reg_nbytes is None):
