@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from . import __version__
+from . import __version__, rules
 from .protocol import (
     NIXL_CONNECTOR_VERSION,
     EngineGeometry,
@@ -146,7 +146,7 @@ def _add_probe(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--mode",
-        choices=("pull", "push"),
+        choices=rules.MODES,
         help="transfer mode for --geometry checks (default: the file's, else pull)",
     )
     p.set_defaults(func=_probe)

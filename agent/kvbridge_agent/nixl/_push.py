@@ -3,8 +3,9 @@
 One WRITE per target rank, with the completion notification ``"{request_id}:{consumers}"``
 attached, so NIXL delivers it after the bytes are in place. Rejected like vLLM's
 ``NixlPushConnector`` (spec §5, §10.11): mixed-memory caches on either side, and producer
-and consumer cache-group layouts that differ. Failure semantics, polling and threading are
-those of :mod:`._pull` (a failed WRITE delivers no notification).
+and consumer cache-group layouts that differ (rules of :mod:`kvbridge_agent.rules`). Failure
+semantics, polling and threading are those of :mod:`._pull` (a failed WRITE delivers no
+notification).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import geometry as geo
+from .. import rules
 from ._engine import TransferEngine
 from ._errors import UnsupportedTransferError
 from ._local import LocalEngine
@@ -25,11 +27,6 @@ from ._pull import DEFAULT_COALESCE
 from ._remote import RemoteEngine
 
 __all__ = ["PushEngine", "PushRequest"]
-
-MIXED_MEMORY_MESSAGE = "NixlPushConnector does not support mixed-memory KV caches"
-GROUP_LAYOUT_MESSAGE = (
-    "NixlPushConnector does not support different producer and consumer cache-group layouts"
-)
 
 
 @dataclass(frozen=True)
@@ -66,24 +63,20 @@ class PushEngine(TransferEngine):
         coalesce: bool = DEFAULT_COALESCE,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if local.plan.mixed_mem_types:
-            raise UnsupportedTransferError(
-                f"{MIXED_MEMORY_MESSAGE} (local region memory types: "
-                f"{sorted(set(local.plan.mem_types))})")
+        if bad := rules.single_memory(local.plan.mem_types, mode="push", producer=True,
+                                      note=f"producer {local.engine_id!r}"):
+            raise UnsupportedTransferError(bad.message)
         super().__init__(local, timeout_s=timeout_s, coalesce=coalesce, clock=clock)
 
     def add_remote(self, desc: RemoteEngine) -> str:
         """Load a consumer rank. Raises UnsupportedTransferError for a mixed-memory consumer
         or a different cache-group layout (before anything is loaded)."""
-        if len(set(desc.region_mem_types)) > 1:
-            raise UnsupportedTransferError(
-                f"{MIXED_MEMORY_MESSAGE} (consumer {desc.engine_id!r} region memory types: "
-                f"{sorted(set(desc.region_mem_types))})")
-        if tuple(desc.region_group_ids) != self.local.group_ids:
-            raise UnsupportedTransferError(
-                f"{GROUP_LAYOUT_MESSAGE} (producer region group ids "
-                f"{list(self.local.group_ids)}, consumer {desc.engine_id!r} "
-                f"{list(desc.region_group_ids)})")
+        note = f"consumer {desc.engine_id!r}"
+        if bad := (rules.single_memory(desc.region_mem_types, mode="push", producer=False,
+                                       note=note)
+                   or rules.push_group_layout(self.local.group_ids, desc.region_group_ids,
+                                              note=note)):
+            raise UnsupportedTransferError(bad.message)
         return self.peers.add(desc).agent_name
 
     def remove_remote(self, engine_id: str, tp_rank: int | None = None) -> None:
@@ -112,8 +105,9 @@ class PushEngine(TransferEngine):
             raise UnsupportedTransferError(
                 f"push needs equal kernel block sizes (producer {local.facts.block_size}, "
                 f"consumer {desc.block_size})")
-        if tuple(desc.region_group_ids) != local.group_ids:
-            raise UnsupportedTransferError(GROUP_LAYOUT_MESSAGE)
+        if bad := rules.push_group_layout(local.group_ids, desc.region_group_ids,
+                                          note=f"consumer {desc.engine_id!r}"):
+            raise UnsupportedTransferError(bad.message)
         mine = [geo.expand_logical_to_kernel(g, local.facts.ppl) for g in req.local_block_ids]
         theirs = [geo.expand_logical_to_kernel(g, desc.ppl) for g in req.remote_block_ids]
         d, p = geo.align_prefix_by_group(theirs, mine, max_padding=desc.ppl + local.facts.ppl)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .. import rules
+
 __all__ = ["RemoteEngine"]
 
 
@@ -49,29 +51,16 @@ class RemoteEngine:
     agent_name: str | None = None
 
     def __post_init__(self) -> None:
-        r = len(self.base_addrs)
-        for name in ("block_lens", "block_strides", "region_num_blocks", "region_group_ids",
-                     "region_mem_types"):
-            if len(getattr(self, name)) != r:
-                raise ValueError(
-                    f"RemoteEngine {self.engine_id!r}: {name} has {len(getattr(self, name))} "
-                    f"entries, expected one per region ({r})"
-                )
-        if self.region_names is not None and len(self.region_names) != r:
+        bad = rules.check_lengths(
+            len(self.base_addrs), {n: getattr(self, n) for n in rules.PER_REGION_LISTS})
+        bad += rules.check_strides(self.block_lens, self.block_strides)
+        bad += [f for f in (rules.tp_rank(self.tp_rank, self.tp_size),) if f]
+        if bad:
+            raise ValueError(f"RemoteEngine {self.engine_id!r}: {bad[0].message}")
+        if self.ppl < 1 or self.tp_size < 1:
             raise ValueError(
-                f"RemoteEngine {self.engine_id!r}: region_names has {len(self.region_names)} "
-                f"entries, expected {r}"
-            )
-        for i, (ln, st) in enumerate(zip(self.block_lens, self.block_strides, strict=True)):
-            if st < ln:
-                raise ValueError(
-                    f"RemoteEngine {self.engine_id!r}: region {i} block_strides {st} < "
-                    f"block_lens {ln}"
-                )
-        if self.ppl < 1 or self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(
-                f"RemoteEngine {self.engine_id!r}: expected ppl >= 1 and 0 <= tp_rank < "
-                f"tp_size, got ppl={self.ppl}, tp_rank={self.tp_rank}, tp_size={self.tp_size}"
+                f"RemoteEngine {self.engine_id!r}: expected ppl >= 1 and tp_size >= 1, "
+                f"got ppl={self.ppl}, tp_size={self.tp_size}"
             )
 
     @property

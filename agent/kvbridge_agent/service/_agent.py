@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from .. import metrics
+from .. import metrics, rules
 from ..geometry import CacheView, RegionPlan, plan_regions
 from ..protocol import (
     NIXL_CONNECTOR_VERSION,
@@ -135,15 +135,14 @@ class AgentService:
             PushEngine,
             UnsupportedTransferError,
         )
-        from ..nixl._push import MIXED_MEMORY_MESSAGE
         from ..sidechannel import SideChannelClient, SideChannelServer
 
         e, s = self.engine, self.settings
-        if e.mode == "push" and self.plan.mixed_mem_types:
-            # vLLM's NixlPushConnector refuses at registration, on both sides (spec §5).
-            raise UnsupportedTransferError(
-                f"{MIXED_MEMORY_MESSAGE} ({e.role} {e.engine_id!r} region memory types: "
-                f"{sorted(set(self.plan.mem_types))}); use mode pull or one memory type")
+        # vLLM's NixlPushConnector refuses at registration, on both sides (spec §5).
+        if bad := rules.single_memory(self.plan.mem_types, mode=e.mode, producer=False,
+                                      note=f"{e.role} {e.engine_id!r}; use mode pull or one "
+                                      "memory type"):
+            raise UnsupportedTransferError(bad.message)
         try:
             self.agent = NixlAgent(
                 self.agent_name, AgentConfig(mem_types=s.mem_types or PRODUCTION_MEM_TYPES,

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from .. import rules
+
 __all__ = [
     "DECODE",
     "PREFILL",
@@ -121,12 +123,10 @@ class EngineInfo:
     def __post_init__(self) -> None:
         if self.role not in (PREFILL, DECODE):
             raise ValueError(f"EngineInfo.role: expected 'prefill' or 'decode', got {self.role!r}")
-        if self.mode not in ("pull", "push"):
+        if self.mode not in rules.MODES:
             raise ValueError(f"EngineInfo.mode: expected 'pull' or 'push', got {self.mode!r}")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(
-                f"EngineInfo.tp_rank: expected 0 <= tp_rank < tp_size ({self.tp_size}), "
-                f"got {self.tp_rank}")
+        if bad := rules.tp_rank(self.tp_rank, self.tp_size, name="EngineInfo.{}".format):
+            raise ValueError(bad.message)
 
 
 @dataclass(frozen=True)
