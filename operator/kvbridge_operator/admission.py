@@ -1,8 +1,10 @@
 """Admission checks the CRD schema cannot express (Kubernetes 1.20 has no CEL). Pure.
 
 Each check returns messages that start with the field path, say what was expected and what
-was found. Prefill-against-decode compatibility is not checked here: it needs both objects
-and belongs to the planner, which runs the agent's own ``validate_remote``.
+was found. The rules the agent applies too (protocol version, TP rank, strides, region names,
+memory types per mode) come from :mod:`kvbridge_agent.rules`, named in KVEndpoint paths.
+Prefill-against-decode compatibility is not checked here: it needs both objects and belongs
+to the planner, which runs the agent's own ``validate_remote``.
 
 KVEndpoint: protocol version, TP rank below TP size, unique region names, block stride at
 least block length, memory types valid for the role and mode (push rejects mixed memory,
@@ -20,24 +22,24 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvbridge_agent import rules
 from kvbridge_agent.geometry import GeometryError, tp_ratio
-from kvbridge_agent.protocol import NIXL_CONNECTOR_VERSION
 
 from . import syntax
 from .config import PREFILL
 from .errors import SpecError
+from .model import endpoint_field
 from .spec import Endpoint, parse_endpoint, parse_transfer
 
 IMMUTABLE_ENDPOINT_FIELDS = ("transferName", "role", "engineId", "podName")
 
 
-def _protocol(path: str, version: int) -> list[str]:
-    if version == NIXL_CONNECTOR_VERSION:
-        return []
-    return [
-        f"{path}: expected {NIXL_CONNECTOR_VERSION} (the NIXL connector version kvbridge "
-        f"speaks), got {version}"
-    ]
+def _messages(*findings: rules.Finding | None) -> list[str]:
+    return [f.message for f in findings if f is not None]
+
+
+def _protocol(version: int) -> list[str]:
+    return _messages(rules.protocol_version(version, name=endpoint_field))
 
 
 def check_endpoint(body: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> list[str]:
@@ -46,11 +48,8 @@ def check_endpoint(body: Mapping[str, Any], old: Mapping[str, Any] | None = None
         e = parse_endpoint(body)
     except SpecError as exc:
         return [str(exc)]
-    errors = _protocol("spec.protocolVersion", e.protocol_version)
-    if e.tp_rank >= e.tp_size:
-        errors.append(
-            f"spec.tpRank: expected a rank below spec.tpSize ({e.tp_size}), got {e.tp_rank}"
-        )
+    errors = _protocol(e.protocol_version)
+    errors += _messages(rules.tp_rank(e.tp_rank, e.tp_size, name=endpoint_field))
     errors += _references(e)
     errors += _regions(e)
     errors += _memory(e)
@@ -67,48 +66,18 @@ def _references(e: Endpoint) -> list[str]:
 
 
 def _regions(e: Endpoint) -> list[str]:
-    errors = []
-    first: dict[str, int] = {}
-    for i, r in enumerate(e.geometry.regions):
-        path = f"spec.geometry.regions[{i}]"
-        if r.name in first:
-            errors.append(
-                f"{path}.name: {r.name!r} duplicates spec.geometry.regions[{first[r.name]}].name; "
-                "region names must be unique (P and D pair regions by name and order)"
-            )
-        first.setdefault(r.name, i)
-        if r.block_stride < r.block_len:
-            errors.append(
-                f"{path}.blockStride: expected at least blockLen ({r.block_len}), got "
-                f"{r.block_stride}; a block stride must cover its block"
-            )
-    return errors
+    regions = e.geometry.regions
+    found = rules.check_names((r.name for r in regions), name=endpoint_field)
+    found += rules.check_strides((r.block_len for r in regions),
+                                 (r.block_stride for r in regions), name=endpoint_field)
+    return _messages(*found)
 
 
 def _memory(e: Endpoint) -> list[str]:
-    types = sorted({r.mem_type for r in e.geometry.regions})
-    if len(types) < 2:
-        return []
-    where = "spec.geometry.regions[*].memType"
-    first = {t: next(i for i, r in enumerate(e.geometry.regions) if r.mem_type == t) for t in types}
-    found = ", ".join(f"{t} (first at regions[{i}])" for t, i in first.items())
-    errors = []
-    if e.mode == "push":
-        errors.append(
-            f"{where}: push mode needs a single memory type (NixlPushConnector does not support "
-            f"mixed-memory KV caches), got {found}; use mode pull or one memory type"
-        )
-    elif e.role == PREFILL:
-        errors.append(
-            f"{where}: a pull-mode prefill endpoint needs a single memory type (NIXL pull does "
-            f"not yet support a mixed-memory producer), got {found}"
-        )
-    if not e.geometry.is_mla:
-        errors.append(
-            f"{where}: mixed DRAM/VRAM regions are only supported for MLA models "
-            f"(spec.geometry.isMla: true), got {found} with isMla false"
-        )
-    return errors
+    types = [r.mem_type for r in e.geometry.regions]
+    return _messages(
+        rules.single_memory(types, mode=e.mode, producer=e.role == PREFILL, name=endpoint_field),
+        rules.mixed_needs_mla(types, is_mla=e.geometry.is_mla, name=endpoint_field))
 
 
 def _update(e: Endpoint, old: Mapping[str, Any]) -> list[str]:
@@ -142,7 +111,7 @@ def check_transfer(body: Mapping[str, Any], old: Mapping[str, Any] | None = None
         t = parse_transfer(body)
     except SpecError as exc:
         return [str(exc)]
-    errors = _protocol("spec.protocolVersion", t.protocol_version)
+    errors = _protocol(t.protocol_version)
     try:
         tp_ratio(t.decode.tp_size, t.prefill.tp_size)
     except GeometryError:

@@ -12,10 +12,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge_agent.protocol import NIXL_CONNECTOR_VERSION, EngineGeometry
+from kvbridge_agent import rules
+from kvbridge_agent.protocol import EngineGeometry
 
 from .config import DECODE, PREFILL
-from .model import EndpointPlan, EndpointState, Problem
+from .model import EndpointPlan, EndpointState, Problem, endpoint_field
 from .spec import Endpoint, Transfer
 
 
@@ -102,9 +103,10 @@ def _drop_stale(eps: list[Endpoint], v: Verdicts) -> list[Endpoint]:
 
 
 def _topology_check(transfer: Transfer, e: Endpoint, v: Verdicts) -> bool:
-    """Endpoint against the KVTransfer spec; records and returns True on a problem."""
+    """Endpoint against the KVTransfer spec (and the rule table's rules on the endpoint alone,
+    for objects that slipped past admission); records and returns True on a problem."""
     role = transfer.role(e.role)
-    checks: list[tuple[str, str, Any, Any, str]] = [
+    checks: list[tuple[str, str, Any, Any, str] | rules.Finding | None] = [
         (
             "protocol_version",
             "spec.protocolVersion",
@@ -112,13 +114,7 @@ def _topology_check(transfer: Transfer, e: Endpoint, v: Verdicts) -> bool:
             e.protocol_version,
             "KVTransfer spec.protocolVersion",
         ),
-        (
-            "protocol_version",
-            "spec.protocolVersion",
-            NIXL_CONNECTOR_VERSION,
-            e.protocol_version,
-            "the NIXL connector version kvbridge speaks",
-        ),
+        rules.protocol_version(e.protocol_version, name=endpoint_field),
         ("transfer_mode", "spec.mode", transfer.mode, e.mode, "KVTransfer spec.mode"),
         (
             "tp_size",
@@ -127,7 +123,7 @@ def _topology_check(transfer: Transfer, e: Endpoint, v: Verdicts) -> bool:
             e.tp_size,
             f"KVTransfer spec.{e.role}.tensorParallelSize",
         ),
-        ("tp_rank", "spec.tpRank", f"< {e.tp_size}", e.tp_rank, "spec.tpSize"),
+        rules.tp_rank(e.tp_rank, e.tp_size, name=endpoint_field),
     ]
     exp = role.expected
     if exp is not None:
@@ -149,11 +145,15 @@ def _topology_check(transfer: Transfer, e: Endpoint, v: Verdicts) -> bool:
                         f"KVTransfer spec.{e.role}.expectedGeometry.{path}",
                     )
                 )
-    for rule, field, want, got, source in checks:
-        bad = not got < e.tp_size if rule == "tp_rank" else got != want
-        if bad:
-            v.incompatible(e, rule, field, f"expected {want!r} ({source}), got {got!r}")
+    for check in checks:
+        if isinstance(check, rules.Finding):
+            v.incompatible(e, check.rule.reports, check.field, check.text)
             return True
+        if check is not None:
+            rule, field, want, got, source = check
+            if got != want:
+                v.incompatible(e, rule, field, f"expected {want!r} ({source}), got {got!r}")
+                return True
     return False
 
 

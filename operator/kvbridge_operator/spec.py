@@ -13,6 +13,7 @@ from functools import cached_property
 from typing import Any
 
 from kvbridge_agent.protocol import EngineGeometry, RegionGeometry
+from kvbridge_agent.rules import MEM_TYPES, MODES
 
 from .config import DECODE, PREFILL, ROLES
 from .errors import SpecError
@@ -159,7 +160,7 @@ def parse_geometry(raw: Mapping[str, Any], path: str = "spec.geometry") -> Geome
                 name=_get(r, "name", rp, str),
                 num_blocks=_get(r, "numBlocks", rp, int),
                 group_id=_get(r, "groupId", rp, int),
-                mem_type=_enum(r, "memType", rp, ("DRAM", "VRAM")),
+                mem_type=_enum(r, "memType", rp, MEM_TYPES),
                 block_len=_get(r, "blockLen", rp, int),
                 block_stride=_get(r, "blockStride", rp, int),
             )
@@ -218,7 +219,7 @@ def parse_endpoint(body: Mapping[str, Any]) -> Endpoint:
         dp_index=_get(spec, "dpIndex", "spec", int, 0),
         protocol_version=_get(spec, "protocolVersion", "spec", int),
         compatibility_hash=_get(spec, "compatibilityHash", "spec", str, None),
-        mode=_enum(spec, "mode", "spec", ("pull", "push")),
+        mode=_enum(spec, "mode", "spec", MODES),
         epoch=_get(spec, "epoch", "spec", int),
         geometry=parse_geometry(_get(spec, "geometry", "spec", Mapping)),
         handshakes=tuple(handshakes),
@@ -336,7 +337,7 @@ def parse_transfer(body: Mapping[str, Any]) -> Transfer:
         namespace=meta.get("namespace", ""),
         generation=int(meta.get("generation") or 0),
         protocol_version=_get(spec, "protocolVersion", "spec", int),
-        mode=_enum(spec, "mode", "spec", ("pull", "push"), "pull"),
+        mode=_enum(spec, "mode", "spec", MODES, "pull"),
         side_channel_port=_get(spec, "sideChannelPort", "spec", int, 5600),
         prefill=parse_role(_get(spec, PREFILL, "spec", Mapping), f"spec.{PREFILL}"),
         decode=parse_role(_get(spec, DECODE, "spec", Mapping), f"spec.{DECODE}"),

@@ -82,10 +82,11 @@ CASES: list[tuple[str, str, str, Mutate, str]] = [
     ("duplicate-region-name", ENDPOINTS, "decode", _set("spec.geometry.regions", _DUP),
      "spec.geometry.regions[1].name"),
     ("stride-below-len", ENDPOINTS, "decode", _set("spec.geometry.regions.0.blockStride", 100),
-     "spec.geometry.regions[0].blockStride: expected at least blockLen (4096), got 100"),
+     "spec.geometry.regions[0].blockStride: expected >= spec.geometry.regions[0].blockLen "
+     "(4096), got 100"),
     ("push-mixed-memory", ENDPOINTS, "decode",
      lambda b: (_set("spec.mode", "push")(b), _set("spec.geometry.regions", _MIXED)(b)),
-     "spec.geometry.regions[*].memType: push mode needs a single memory type"),
+     "spec.geometry.regions[*].memType: expected one memory type in push mode"),
     ("pull-mixed-producer", ENDPOINTS, "prefill", _set("spec.geometry.regions", _MIXED),
      "mixed-memory producer"),
     ("mixed-needs-mla", ENDPOINTS, "decode",
