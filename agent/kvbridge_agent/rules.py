@@ -222,8 +222,11 @@ def mem_type(kind: str, *, field: str = "mem_type") -> Finding | None:
 
 def check_names(names: Iterable[str] | None, *, name: Names = _same) -> list[Finding]:
     """Region names are non-empty and unique."""
+    names = list(names or ())
     out, first = [], {}
-    for i, n in enumerate(names or ()):
+    if all(names) and len(set(names)) == len(names):
+        return out  # the usual case, without a Python loop
+    for i, n in enumerate(names):
         if not n:
             out.append(_R["region_name"].finding(name(f"region_names[{i}]"), "a non-empty name", n))
         elif n in first:
@@ -236,21 +239,26 @@ def check_names(names: Iterable[str] | None, *, name: Names = _same) -> list[Fin
 
 def check_regions(num_regions: int, lists: dict[str, Sequence[Any] | None]) -> list[Finding]:
     """Everything that makes per-region lists consistent with themselves: at least one region,
-    the lengths, then each entry (over the entries the lists have)."""
+    the lengths, then each entry (over the entries the lists have). Each list is scanned
+    entry by entry only when ``min``/``set`` (C loops) say it holds a bad entry."""
     out = [] if num_regions else [_R["num_regions"].finding("len(kv_caches_base_addr)", ">= 1", 0)]
     out += check_lengths(num_regions, lists)
     lens = lists.get("block_lens") or ()
-    out += [_R["block_len"].finding(f"block_lens[{i}]", ">= 1", n)
-            for i, n in enumerate(lens) if n < 1]
     out += check_strides(lens, lists.get("block_strides") or ())
-    out += [_R["region_capacity"].finding(f"region_num_blocks[{i}]", ">= 1", c)
-            for i, c in enumerate(lists.get("region_num_blocks") or ()) if c < 1]
-    out += [_R["group_id"].finding(
-                f"region_group_ids[{i}]",
-                f">= {SHARED_GROUP_ID} (a group, or {SHARED_GROUP_ID} for shared)", g)
-            for i, g in enumerate(lists.get("region_group_ids") or ()) if g < SHARED_GROUP_ID]
-    out += [f for i, t in enumerate(lists.get("region_mem_types") or ())
-            if (f := mem_type(t, field=f"region_mem_types[{i}]"))]
+    for field, rule, low, expected in (
+        ("block_lens", "block_len", 1, ">= 1"),
+        ("region_num_blocks", "region_capacity", 1, ">= 1"),
+        ("region_group_ids", "group_id", SHARED_GROUP_ID,
+         f">= {SHARED_GROUP_ID} (a group, or {SHARED_GROUP_ID} for shared)"),
+    ):
+        values = lists.get(field) or ()
+        if min(values, default=low) < low:
+            out += [_R[rule].finding(f"{field}[{i}]", expected, v)
+                    for i, v in enumerate(values) if v < low]
+    types = lists.get("region_mem_types") or ()
+    if not set(types) <= set(MEM_TYPES):
+        out += [f for i, t in enumerate(types)
+                if (f := mem_type(t, field=f"region_mem_types[{i}]"))]
     return out + check_names(lists.get("region_names"))
 
 
