@@ -39,6 +39,7 @@ __all__ = [
     "protocol_version",
     "push_group_layout",
     "single_memory",
+    "sizes_divide",
     "tp_rank",
 ]
 
@@ -123,6 +124,7 @@ _MIXED_NEEDS_MLA = ("mixed-device KV registration is only supported for MLA mode
                     "Mamba layers")
 _PUSH_GROUPS = ("NixlPushConnector does not support different producer and consumer "
                 "cache-group layouts")
+_DIVIDE = "sizes are positive and divide one another (ranks map onto whole ranks)"
 _POSITIVE = "the descriptor math divides and multiplies by it"
 _ONE_PER_REGION = "every per-region list has one entry per region"
 
@@ -131,6 +133,7 @@ RULES: dict[str, Rule] = {row[0]: Rule(*row) for row in (
     ("protocol_version", "protocol_version",
      "the wire format and the descriptor math differ between versions"),
     ("tp_rank", "tp_rank", "tensor-parallel ranks count from 0"),
+    *((f"{k}_sizes_divide", f"{k}_size", f"{k.upper()} {_DIVIDE}") for k in ("tp", "dcp", "pcp")),
     ("engine_id", "engine_id", "requests name their prefill engine by it"),
     ("positive_num_blocks", "num_blocks", _POSITIVE),
     ("positive_block_size", "block_size", _POSITIVE),
@@ -172,6 +175,17 @@ def tp_rank(rank: int, size: int, *, name: Names = _same) -> Finding | None:
     if 0 <= rank < size:
         return None
     return _R["tp_rank"].finding(name("tp_rank"), f"a rank below {name('tp_size')} ({size})", rank)
+
+
+def sizes_divide(kind: str, size: int, other: int, *, field: str, other_field: str,
+                 note: str = "") -> Finding | None:
+    """Two engines' ``kind`` (tp, dcp, pcp) parallel sizes are positive and the larger is a
+    multiple of the smaller (spec §1.9)."""
+    lo, hi = sorted((size, other))
+    if lo > 0 and hi % lo == 0:
+        return None
+    return _R[f"{kind}_sizes_divide"].finding(
+        field, f"a multiple or divisor of {other_field} ({other})", size, note)
 
 
 def check_engine(engine_id: str, positive: dict[str, int]) -> list[Finding]:

@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvbridge_agent import rules
-from kvbridge_agent.geometry import GeometryError, tp_ratio
 
 from . import syntax
 from .config import PREFILL
@@ -112,13 +111,9 @@ def check_transfer(body: Mapping[str, Any], old: Mapping[str, Any] | None = None
     except SpecError as exc:
         return [str(exc)]
     errors = _protocol(t.protocol_version)
-    try:
-        tp_ratio(t.decode.tp_size, t.prefill.tp_size)
-    except GeometryError:
-        errors.append(
-            f"spec.decode.tensorParallelSize: expected a multiple or divisor of "
-            f"spec.prefill.tensorParallelSize ({t.prefill.tp_size}), got {t.decode.tp_size}"
-        )
+    errors += _messages(rules.sizes_divide(
+        "tp", t.decode.tp_size, t.prefill.tp_size, field="spec.decode.tensorParallelSize",
+        other_field="spec.prefill.tensorParallelSize"))
     if t.policy == "TopologyAware" and not t.topology_key:
         errors.append(
             "spec.pairing.topologyKey: required by policy TopologyAware (a node label key, "

@@ -168,7 +168,8 @@ CASES: list[tuple[str, EngineGeometry, EngineGeometry, dict, Rule, str, str]] = 
         {},
         Rule.TP_SIZE,
         "tp_size",
-        "local 2 vs remote 3: TP sizes must be positive and divide one another",
+        "tp_size: expected a multiple or divisor of the local tp_size (2), got 3: TP sizes are "
+        "positive and divide one another",
     ),
     (
         "dcp-expected",
@@ -186,7 +187,7 @@ CASES: list[tuple[str, EngineGeometry, EngineGeometry, dict, Rule, str, str]] = 
         {},
         Rule.DCP_SIZE,
         "dcp_size",
-        "local 2 vs remote 3: DCP sizes",
+        "expected a multiple or divisor of the local dcp_size (2), got 3: DCP sizes",
     ),
     (
         "dcp-mla-mamba",
@@ -204,7 +205,7 @@ CASES: list[tuple[str, EngineGeometry, EngineGeometry, dict, Rule, str, str]] = 
         {},
         Rule.PCP_SIZE,
         "pcp_size",
-        "local 2 vs remote 3",
+        "expected a multiple or divisor of the local pcp_size (2), got 3: PCP sizes",
     ),
     (
         "replicated-heads",

@@ -32,6 +32,10 @@ CASES: list[tuple[str, Trigger, str, str]] = [
     ("protocol_version", lambda: rules.protocol_version(10), "protocol_version",
      "expected 11 (the NIXL connector version kvbridge speaks), got 10"),
     ("tp_rank", lambda: rules.tp_rank(2, 2), "tp_rank", "expected a rank below tp_size (2), got 2"),
+    *((f"{k}_sizes_divide", lambda k=k: rules.sizes_divide(
+        k, 3, 2, field=f"{k}_size", other_field=f"the local {k}_size"), f"{k}_size",
+       f"expected a multiple or divisor of the local {k}_size (2), got 3")
+      for k in ("tp", "dcp", "pcp")),
     ("engine_id", lambda: rules.check_engine("", {}), "engine_id",
      "expected a non-empty engine id, got ''"),
     ("positive_num_blocks", lambda: rules.check_engine("p", {"num_blocks": 0}), "num_blocks",
@@ -99,6 +103,9 @@ def test_every_rule_has_a_case_and_reports_under_a_verdict_rule() -> None:
 def test_a_valid_engine_passes_every_rule() -> None:
     assert rules.protocol_version(rules.NIXL_CONNECTOR_VERSION) is None
     assert rules.tp_rank(0, 1) is None and rules.tp_rank(3, 4) is None
+    for size, other in ((1, 1), (2, 8), (8, 2), (4, 4)):
+        assert rules.sizes_divide("tp", size, other, field="tp_size", other_field="x") is None
+    assert rules.sizes_divide("dcp", 0, 2, field="dcp_size", other_field="x") is not None
     assert rules.check_engine("p", {"num_blocks": 1, "block_size": 16,
                                     "physical_blocks_per_logical_kv_block": 1}) == []
     assert _regions() == []

@@ -34,12 +34,9 @@ def tp_ratio(local_tp: int, remote_tp: int) -> int:
     """
     local_tp = _check_size("local_tp", local_tp)
     remote_tp = _check_size("remote_tp", remote_tp)
-    big, small = max(local_tp, remote_tp), min(local_tp, remote_tp)
-    if big % small:
-        raise TPMappingError(
-            f"tensor-parallel sizes must divide one another: local_tp={local_tp}, "
-            f"remote_tp={remote_tp}"
-        )
+    if bad := rules.sizes_divide("tp", local_tp, remote_tp, field="local_tp",
+                                 other_field="remote_tp"):
+        raise TPMappingError(bad.message)
     return local_tp // remote_tp if local_tp >= remote_tp else -(remote_tp // local_tp)
 
 

@@ -42,11 +42,6 @@ class _Collector:
             self.problems.append(incompatibility(finding, *sides))
 
 
-def _divides(a: int, b: int) -> bool:
-    lo, hi = sorted((a, b))
-    return lo > 0 and hi % lo == 0
-
-
 def validate_remote(
     local: EngineGeometry,
     remote: EngineGeometry,
@@ -149,15 +144,10 @@ def _check_parallel(
             remote.tp_size,
             "remote TP size differs from the topology (local value = expected remote TP)",
         )
-    if not _divides(local.tp_size, remote.tp_size):
-        c.add(
-            Rule.TP_SIZE,
-            "tp_size",
-            local.tp_size,
-            remote.tp_size,
-            "TP sizes must be positive and divide one another",
-            op="vs",
-        )
+    divides = {k: rules.sizes_divide(k, getattr(remote, f"{k}_size"), getattr(local, f"{k}_size"),
+                                     field=f"{k}_size", other_field=f"the local {k}_size")
+               for k in ("tp", "dcp", "pcp")}
+    c.found(divides["tp"], local.tp_size, remote.tp_size)
     if expected_dcp is not None and remote.dcp_size != expected_dcp:
         c.add(
             Rule.DCP_SIZE,
@@ -166,16 +156,8 @@ def _check_parallel(
             remote.dcp_size,
             "remote DCP size differs from the topology (local value = expected remote DCP)",
         )
-    if not _divides(local.dcp_size, remote.dcp_size):
-        c.add(
-            Rule.DCP_SIZE,
-            "dcp_size",
-            local.dcp_size,
-            remote.dcp_size,
-            "DCP sizes must be positive and divide one another",
-            op="vs",
-        )
-    elif local.is_mla and mamba and local.dcp_size != remote.dcp_size:
+    c.found(divides["dcp"], local.dcp_size, remote.dcp_size)
+    if not divides["dcp"] and local.is_mla and mamba and local.dcp_size != remote.dcp_size:
         c.add(
             Rule.DCP_SIZE,
             "dcp_size",
@@ -183,15 +165,7 @@ def _check_parallel(
             remote.dcp_size,
             "hybrid MLA+Mamba models require equal DCP sizes",
         )
-    if not _divides(local.pcp_size, remote.pcp_size):
-        c.add(
-            Rule.PCP_SIZE,
-            "pcp_size",
-            local.pcp_size,
-            remote.pcp_size,
-            "PCP sizes must be positive and divide one another",
-            op="vs",
-        )
+    c.found(divides["pcp"], local.pcp_size, remote.pcp_size)
     heads = local.num_kv_heads
     if (
         not local.is_mla
