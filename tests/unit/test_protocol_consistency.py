@@ -55,10 +55,3 @@ def test_each_inconsistency_is_named(change, rule, field, words):
 def test_a_v10_peer_without_region_lists_is_consistent():
     assert check_metadata(_meta(region_num_blocks=None, region_group_ids=None,
                                 region_names=None, region_mem_types=None)).ok
-
-
-def test_memory_types_are_the_geometrys():
-    from kvbridge_agent.geometry import MEM_TYPES
-    from kvbridge_agent.protocol import MEMORY_TYPES
-
-    assert MEMORY_TYPES == MEM_TYPES
