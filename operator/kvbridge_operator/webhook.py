@@ -3,6 +3,10 @@ ValidatingWebhookConfiguration that points the apiserver at it (for tests, the c
 
 kopf's own self-signed certificate path fails with OpenSSL 3, so a missing certificate is
 generated here with the ``openssl`` command line.
+
+kopf's server (aiohttp) reads at most 1 MiB per request, but an UPDATE's AdmissionReview
+carries the object and its old version: a KVEndpoint of 0.6 MB could be created and then
+never updated. :class:`WebhookServer` reads up to :data:`MAX_REVIEW_BYTES`.
 """
 
 from __future__ import annotations
@@ -14,7 +18,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import kopf
+
 from .config import ENDPOINTS, GROUP, TRANSFERS, VERSION, Settings
+
+#: Largest AdmissionReview read: an UPDATE carries two objects, each up to the apiserver's
+#: 3 MiB request limit (etcd stores at most 1.5 MiB), plus the review's own fields.
+MAX_REVIEW_BYTES = 8 * 1024 * 1024
 
 #: kopf handler id -> plural; kopf serves each handler at ``/<id>``.
 WEBHOOKS = {"validate-kvendpoint": ENDPOINTS, "validate-kvtransfer": TRANSFERS}
@@ -62,10 +72,18 @@ def self_signed_certificate(
     return crt, key
 
 
+class WebhookServer(kopf.WebhookServer):
+    """kopf's server, reading request bodies up to :data:`MAX_REVIEW_BYTES` (aiohttp's
+    default, 1 MiB, refuses the UPDATE of any object over about 0.5 MB)."""
+
+    @staticmethod
+    async def _serve(fn: Any, request: Any) -> Any:
+        big = request.clone(client_max_size=MAX_REVIEW_BYTES)
+        return await kopf.WebhookServer._serve(fn, big)
+
+
 def server(settings: Settings) -> Any:
     """The kopf webhook server for ``settings`` (generates a certificate when none given)."""
-    import kopf
-
     cert, key = settings.webhook_cert, settings.webhook_key
     if not cert or not key:
         hosts = sorted({settings.webhook_host, "localhost", "127.0.0.1"})
@@ -73,7 +91,7 @@ def server(settings: Settings) -> Any:
             Path(tempfile.mkdtemp(prefix="kvb-webhook-")), [settings.webhook_host, *hosts]
         )
         cert, key = str(crt_path), str(key_path)
-    return kopf.WebhookServer(
+    return WebhookServer(
         addr=settings.webhook_addr,
         port=settings.webhook_port,
         host=settings.webhook_host,
