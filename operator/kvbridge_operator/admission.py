@@ -104,8 +104,16 @@ def _update(e: Endpoint, old: Mapping[str, Any]) -> list[str]:
 
 
 def check_transfer(body: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> list[str]:
-    """Messages for everything wrong with a KVTransfer; empty when it is admissible."""
-    del old  # every KVTransfer field may change; the operator re-plans
+    """Messages for everything wrong with a KVTransfer; empty when it is admissible.
+
+    An update that leaves the spec as it was (kopf adding or removing the finalizer, labels,
+    annotations) or of a KVTransfer being deleted is always admitted: a spec admitted once,
+    or stored before a rule existed, must never keep the finalizer from being removed.
+    Every spec field may change otherwise; the operator re-plans.
+    """
+    if old and ((body.get("metadata") or {}).get("deletionTimestamp")
+                or body.get("spec") == old.get("spec")):
+        return []
     try:
         t = parse_transfer(body)
     except SpecError as exc:

@@ -9,7 +9,7 @@ Handlers only translate kopf kwargs and call into ``reconciler`` / ``admission``
 - ``plan_transfer``: the per-KVTransfer daemon (plan, write, wait);
 - ``release_endpoints``: on KVTransfer deletion (finalizer ``kvbridge.io/finalizer``);
 - ``validate_kvendpoint`` / ``validate_kvtransfer``: admission webhooks;
-- ``configure``: settings (finalizer, annotations, peering, webhook server, metrics).
+- ``configure``: settings (finalizer, kopf's bookkeeping, peering, webhook server, metrics).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 import kopf
 
-from . import admission, metrics, pod_identity, reconciler, webhook
-from .config import ANNOTATION_PREFIX, ENDPOINTS, FINALIZER, GROUP, TRANSFERS, VERSION, Settings
+from . import admission, metrics, persistence, pod_identity, reconciler, webhook
+from .config import ENDPOINTS, FINALIZER, GROUP, TRANSFERS, VERSION, Settings
 from .errors import SpecError
 from .kube import Kube
 from .spec import Endpoint, parse_endpoint
@@ -35,12 +35,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     """Operator settings from KVBRIDGE_* variables (see :class:`config.Settings`)."""
     cfg = _STATE["settings"] = Settings.from_env()
     settings.persistence.finalizer = FINALIZER
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
-        prefix=ANNOTATION_PREFIX
-    )
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
-    )
+    persistence.configure(settings)
     settings.posting.loggers = False  # Events only on condition transitions (reconciler).
     # kopf logs every successful handler call at INFO; with a watch event per endpoint
     # change that drowns the operator's own messages. Failures still log at WARNING+.
