@@ -18,8 +18,14 @@ from .spec import Endpoint
 
 #: KVEndpoint status keys the operator owns.
 ENDPOINT_KEYS = ("observedGeneration", "observedEpoch", "state", "reason", "message", "peers")
+#: Bounds of the CRDs' status fields (each written value is cut to them, never refused).
 MAX_PAIRS_LISTED = 1000
 MAX_PROBLEMS_LISTED = 100
+MAX_PEERS_LISTED = 128
+MAX_ENDPOINT_MESSAGE = 4000  # schema: 4096
+MAX_CONDITION_MESSAGE = 4096
+MAX_PROBLEM_MESSAGE = 1024
+MAX_PROBLEM_FIELD = 256
 
 
 def now_rfc3339() -> str:
@@ -44,7 +50,7 @@ def merge_conditions(
                 "type": d.type,
                 "status": d.status,
                 "reason": d.reason,
-                "message": d.message,
+                "message": d.message[:MAX_CONDITION_MESSAGE],
                 "lastTransitionTime": prev.get("lastTransitionTime", now) if same else now,
                 "observedGeneration": generation,
             }
@@ -92,8 +98,8 @@ def transfer_status(
                 "endpoint": p.endpoint,
                 "role": p.role,
                 "rule": p.rule,
-                "field": p.field,
-                "message": p.message,
+                "field": p.field[:MAX_PROBLEM_FIELD],
+                "message": p.message[:MAX_PROBLEM_MESSAGE],
             }
             for p in plan.problems[:MAX_PROBLEMS_LISTED]
         ],
@@ -122,14 +128,26 @@ def invalid_transfer_status(
 
 
 def endpoint_status(verdict: EndpointPlan, endpoint: Endpoint) -> dict[str, Any]:
-    """Operator-owned KVEndpoint status for one verdict."""
+    """Operator-owned KVEndpoint status for one verdict.
+
+    ``status.peers`` holds at most :data:`MAX_PEERS_LISTED` (so that the largest KVEndpoint
+    stays storable); beyond that the first ones are listed and the message says how many
+    were assigned, so the unlisted pairs visibly stay unverified instead of the write failing.
+    """
+    message = verdict.message
+    if len(verdict.peers) > MAX_PEERS_LISTED:
+        message = (
+            f"{len(verdict.peers)} peers assigned, only the first {MAX_PEERS_LISTED} are "
+            f"listed in status.peers (its limit); pairs with the others stay unverified: "
+            f"{message}"
+        )
     return {
         "observedGeneration": endpoint.generation,
         "observedEpoch": endpoint.epoch,
         "state": str(verdict.state),
         "reason": verdict.reason,
-        "message": verdict.message[:4000],
-        "peers": [p.to_dict() for p in verdict.peers],
+        "message": message[:MAX_ENDPOINT_MESSAGE],
+        "peers": [p.to_dict() for p in verdict.peers[:MAX_PEERS_LISTED]],
     }
 
 

@@ -3,6 +3,8 @@
 ``transfer_manifest`` and ``endpoint_manifest`` produce valid KVTransfer / KVEndpoint objects
 with a small MLA-like geometry by default; keyword arguments override any field, and
 ``regions`` / ``geometry`` overrides let a test build an incompatible peer.
+``largest_endpoint`` and ``largest_transfer`` build the largest objects the CRD schemas and
+the webhook admit (see :mod:`.limits`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
+from . import limits
 from .config import GROUP, VERSION
 
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -151,3 +154,34 @@ def handshake(peer: str, epoch: int, ok: bool = True, message: str = "") -> dict
     if message:  # the agent leaves an empty message out
         entry["message"] = message
     return entry
+
+
+def largest_endpoint(schema: Mapping[str, Any], name: str, *, transfer: str = "kvt") -> dict:
+    """The largest KVEndpoint that ``schema`` (the CRD's openAPIV3Schema) and the webhook
+    admit: every field at its bound, made valid where the webhook asks more than the schema
+    (the protocol version kvbridge speaks, unique region names, a DNS name as host)."""
+    spec = limits.largest(schema["properties"]["spec"], "spec")
+    spec.update(transferName=transfer, protocolVersion=11, podUID=limits.UUID)
+    spec["sideChannel"]["host"] = limits.longest_dns_name()
+    for i, region in enumerate(spec["geometry"]["regions"]):
+        region["name"] = f"{i}.".ljust(len(region["name"]), "a")
+    return {"apiVersion": API_VERSION, "kind": "KVEndpoint", "metadata": {"name": name},
+            "spec": spec}
+
+
+def largest_transfer(schema: Mapping[str, Any], name: str) -> dict:
+    """The largest KVTransfer that ``schema`` and the webhook admit (label keys in
+    Kubernetes' syntax, set-based requirements with values)."""
+    spec = limits.largest(schema["properties"]["spec"], "spec")
+    spec["protocolVersion"] = 11
+    spec["pairing"]["topologyKey"] = limits.longest_label_key(0)
+    for role in ("prefill", "decode"):
+        for i, expr in enumerate(spec[role]["selector"]["matchExpressions"]):
+            expr.update(key=limits.longest_label_key(i), operator="NotIn")
+    return {"apiVersion": API_VERSION, "kind": "KVTransfer", "metadata": {"name": name},
+            "spec": spec}
+
+
+def largest_status(schema: Mapping[str, Any]) -> dict:
+    """The largest ``status`` ``schema`` admits."""
+    return limits.largest(schema["properties"]["status"], "status")

@@ -143,7 +143,7 @@ class EndpointSync:
     def _report(self, status: Mapping[str, Any]) -> None:
         reports = self.service.reports()
         stored = status.get("handshakes") or []
-        key = [(r.peer, r.epoch, r.ok, r.message[:4000]) for r in reports]
+        key = [(r.peer, r.epoch, r.ok, r.to_status().get("message", "")) for r in reports]
         have = [(h.get("peer"), h.get("epoch"), h.get("state") == "Succeeded",
                  h.get("message", "")) for h in stored]
         if key != have:

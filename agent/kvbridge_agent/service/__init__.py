@@ -47,6 +47,7 @@ fetches run without the lock. Every wait has a deadline.
 
 from ._agent import AgentService
 from ._types import (
+    HANDSHAKE_MESSAGE_MAX,
     AgentClosedError,
     AgentError,
     AgentSettings,
@@ -62,6 +63,7 @@ from ._types import (
 )
 
 __all__ = [
+    "HANDSHAKE_MESSAGE_MAX",
     "AgentClosedError",
     "AgentError",
     "AgentService",

@@ -201,6 +201,10 @@ class PeerRef:
         return (self.engine_id, self.tp_rank)
 
 
+#: ``status.handshakes[].message`` maxLength in the KVEndpoint CRD (a longer one is cut).
+HANDSHAKE_MESSAGE_MAX = 1024
+
+
 @dataclass(frozen=True)
 class PeerReport:
     """Result of one handshake; :meth:`to_status` is a ``status.handshakes`` item."""
@@ -221,7 +225,7 @@ class PeerReport:
             "time": self.time or utc_timestamp(),
         }
         if self.message:
-            out["message"] = self.message[:4000]
+            out["message"] = self.message[:HANDSHAKE_MESSAGE_MAX]
         return out
 
 
