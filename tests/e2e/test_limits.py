@@ -132,6 +132,13 @@ def _longer(path: str) -> Mutate:
     return mutate
 
 
+def _plus_one(path: str) -> Mutate:
+    def mutate(obj: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        _at(obj, ".".join(parents))[last] += 1
+    return mutate
+
+
 def _extra_label(path: str) -> Mutate:
     def mutate(obj: dict[str, Any]) -> None:
         labels = _at(obj, path)
@@ -165,6 +172,8 @@ PAST: list[tuple[str, str, str, Mutate, str, str]] = [
     ("expression-values", TRANSFERS, "spec",
      _one_more("prefill.selector.matchExpressions.0.values"),
      "spec.prefill.selector.matchExpressions.*.values", "maxItems"),
+    ("num-regions", TRANSFERS, "spec", _plus_one("prefill.expectedGeometry.numRegions"),
+     "spec.prefill.expectedGeometry.numRegions", "maximum"),
     ("conditions", TRANSFERS, "status", _one_more("conditions"), "status.conditions",
      "maxItems"),
     ("condition-message", TRANSFERS, "status", _longer("conditions.0.message"),
@@ -209,5 +218,7 @@ def test_one_past_a_bound_is_refused_naming_the_field(
     message = json.loads(info.value.body)["message"]
     # Kubernetes 1.20 names list items without their index: spec.geometry.regions.name
     assert f"{field.replace('.*', '')} in body should" in message
-    unit = {"maxItems": "items", "maxLength": "chars long", "maxProperties": "properties"}[key]
-    assert f"at most {_bound(plural, field, key)} {unit}" in message
+    want = {"maxItems": "have at most {} items", "maxLength": "be at most {} chars long",
+            "maxProperties": "have at most {} properties",
+            "maximum": "be less than or equal to {}"}[key]  # fmt: skip
+    assert want.format(_bound(plural, field, key)) in message
