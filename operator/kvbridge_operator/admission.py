@@ -12,9 +12,10 @@ a pull producer must be single-type, mixed memory needs MLA), a side-channel hos
 IP or a DNS name without a port, immutable identity fields and a non-decreasing epoch on
 update.
 
-KVTransfer: protocol version, TP sizes that divide one another, the topology key of the
-TopologyAware policy, the label keys of both selectors (Kubernetes' syntax), compatible
-expected block sizes and region counts.
+KVTransfer: protocol version, TP sizes that divide one another, a decode rank's peers
+that fit ``status.peers`` (prefillPerDecode times the prefill ranks per decode rank), the
+topology key of the TopologyAware policy, the label keys of both selectors (Kubernetes'
+syntax), compatible expected block sizes and region counts.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 from kvbridge_agent import rules
 
 from . import syntax
-from .config import PREFILL
+from .config import MAX_PEERS, PREFILL
 from .errors import SpecError
 from .model import endpoint_field
 from .spec import Endpoint, parse_endpoint, parse_transfer
@@ -119,9 +120,12 @@ def check_transfer(body: Mapping[str, Any], old: Mapping[str, Any] | None = None
     except SpecError as exc:
         return [str(exc)]
     errors = _protocol(t.protocol_version)
-    errors += _messages(rules.sizes_divide(
+    divide = rules.sizes_divide(
         "tp", t.decode.tp_size, t.prefill.tp_size, field="spec.decode.tensorParallelSize",
-        other_field="spec.prefill.tensorParallelSize"))
+        other_field="spec.prefill.tensorParallelSize")
+    errors += _messages(divide)
+    if divide is None:
+        errors += _decode_peers(t.prefill.tp_size, t.decode.tp_size, t.prefill_per_decode)
     if t.policy == "TopologyAware" and not t.topology_key:
         errors.append(
             "spec.pairing.topologyKey: required by policy TopologyAware (a node label key, "
@@ -152,6 +156,25 @@ def check_transfer(body: Mapping[str, Any], old: Mapping[str, Any] | None = None
             f"spec.prefill.expectedGeometry.numRegions ({pe.num_regions}), got {de.num_regions}"
         )
     return errors
+
+
+def _decode_peers(prefill_tp: int, decode_tp: int, per_decode: int) -> list[str]:
+    """A decode rank's peers (prefillPerDecode engines, each with prefill TP / decode TP
+    ranks to read from when that is above 1) must fit ``status.peers``."""
+    ranks = max(1, prefill_tp // decode_tp)
+    if ranks > MAX_PEERS:
+        return [
+            f"spec.prefill.tensorParallelSize: expected at most {MAX_PEERS} times "
+            f"spec.decode.tensorParallelSize ({decode_tp}), got {prefill_tp}; a decode rank "
+            f"reads from {ranks} prefill ranks and status.peers lists at most {MAX_PEERS}"
+        ]
+    if per_decode * ranks > MAX_PEERS:
+        return [
+            f"spec.pairing.prefillPerDecode: expected at most {MAX_PEERS // ranks} with "
+            f"{ranks} prefill rank(s) per decode rank, got {per_decode}; a decode rank's "
+            f"peers (prefillPerDecode x {ranks}) must fit status.peers (at most {MAX_PEERS})"
+        ]
+    return []
 
 
 def _selector(raw: Mapping[str, Any], path: str) -> list[str]:

@@ -16,6 +16,8 @@ ANNOTATION_PREFIX = "kvbridge.io"
 
 PREFILL, DECODE = "prefill", "decode"
 ROLES = (PREFILL, DECODE)
+#: KVEndpoint ``status.peers`` maxItems in the CRD (see README "Limits").
+MAX_PEERS = 128
 
 
 def _env_int(name: str, default: int) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from .config import MAX_PEERS
 from .planner import DesiredCondition, EndpointPlan, EndpointState, Plan
 from .spec import Endpoint
 
@@ -21,7 +22,7 @@ ENDPOINT_KEYS = ("observedGeneration", "observedEpoch", "state", "reason", "mess
 #: Bounds of the CRDs' status fields (each written value is cut to them, never refused).
 MAX_PAIRS_LISTED = 1000
 MAX_PROBLEMS_LISTED = 100
-MAX_PEERS_LISTED = 128
+MAX_PEERS_LISTED = MAX_PEERS
 MAX_ENDPOINT_MESSAGE = 4000  # schema: 4096
 MAX_CONDITION_MESSAGE = 4096
 MAX_PROBLEM_MESSAGE = 1024

@@ -102,6 +102,21 @@ def test_kvtransfer_with_large_annotations_is_deleted(api: Api, ns: str) -> None
              what="KVTransfer gone (finalizer released)")  # fmt: skip
 
 
+def test_decode_peers_beyond_the_peers_bound_are_refused(api: Api, ns: str) -> None:
+    """A decode rank's peers are prefillPerDecode times the prefill ranks it reads from;
+    beyond status.peers' bound the webhook refuses the KVTransfer, naming the field."""
+    bound = _bound(ENDPOINTS, "status.peers", "maxItems")
+    body = manifests.transfer_manifest("wide", prefill_tp=4, decode_tp=1,
+                                       pairing={"prefillPerDecode": bound // 4 + 1})  # fmt: skip
+    with pytest.raises(ApiException) as info:
+        api.create(TRANSFERS, ns, body)
+    assert f"spec.pairing.prefillPerDecode: expected at most {bound // 4} with 4" in json.loads(
+        info.value.body)["message"]
+    body["spec"]["pairing"]["prefillPerDecode"] = bound // 4
+    api.create(TRANSFERS, ns, body)
+    api.wait_condition(ns, "Ready", "False", name="wide", timeout=TIMEOUT)  # no endpoints yet
+
+
 # -- one past each bound ---------------------------------------------------------------------
 
 Mutate = Callable[[dict[str, Any]], None]

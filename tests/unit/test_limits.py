@@ -135,3 +135,25 @@ def test_transfer_update_that_keeps_the_spec_is_always_admitted() -> None:
     assert admission.check_transfer(changed, old=bad) != []
     deleting = {**changed, "metadata": {"name": "t", "deletionTimestamp": "2026-01-01T00:00:00Z"}}
     assert admission.check_transfer(deleting, old=bad) == []
+
+
+def test_decode_rank_peers_must_fit_status_peers() -> None:
+    """prefillPerDecode times the prefill ranks each decode rank reads from is at most the
+    peers bound, so that a decode rank's peers are never cut."""
+    bound = _bound("kvendpoints", "status.peers", "maxItems")
+    ok = T.transfer_manifest(prefill_tp=8, decode_tp=2, pairing={"prefillPerDecode": bound // 4})
+    assert admission.check_transfer(ok) == []
+    over = T.transfer_manifest(prefill_tp=8, decode_tp=2,
+                               pairing={"prefillPerDecode": bound // 4 + 1})  # fmt: skip
+    assert admission.check_transfer(over) == [
+        f"spec.pairing.prefillPerDecode: expected at most {bound // 4} with 4 prefill rank(s) "
+        f"per decode rank, got {bound // 4 + 1}; a decode rank's peers (prefillPerDecode x 4) "
+        f"must fit status.peers (at most {bound})"
+    ]
+    wide = T.transfer_manifest(prefill_tp=2 * bound, decode_tp=1)
+    assert admission.check_transfer(wide)[0].startswith(
+        f"spec.prefill.tensorParallelSize: expected at most {bound} times "
+        "spec.decode.tensorParallelSize (1), got 256")
+    # Decode TP above prefill TP: one prefill rank per decode rank.
+    assert admission.check_transfer(T.transfer_manifest(
+        prefill_tp=1, decode_tp=8, pairing={"prefillPerDecode": 64})) == []
