@@ -191,19 +191,44 @@ def _with_removals(stored: Mapping[str, Any], new: dict[str, Any]) -> dict[str, 
     return patch
 
 
-async def release(namespace: str, name: str, endpoints: Iterable[Endpoint], kube: Kube) -> int:
+#: Attempts and pauses of the release writes before the finalizer is let go anyway.
+RELEASE_RETRY_DELAYS = (0.5, 1.0, 2.0)
+
+
+async def release(namespace: str, name: str, endpoints: Iterable[Endpoint], kube: Kube,
+                  *, retry_delays: Iterable[float] = RELEASE_RETRY_DELAYS) -> int:  # fmt: skip
     """Withdraw the peers of every endpoint of a KVTransfer being deleted; returns writes.
 
     The endpoints become ``Orphaned`` with reason ``TransferDeleted`` (see :func:`orphan`).
+    Best effort, never raising: a write that keeps failing (RBAC, an unreachable API server)
+    is retried a few times and then logged, so the KVTransfer's finalizer is always released
+    and a delete never hangs; such an endpoint is marked Orphaned by its next event.
     """
     writes = 0
-    for e in endpoints:
-        desired = status.orphaned_endpoint_status(e, deleted=True)
-        if status.owned_part(e.status) != desired and await kube.patch_endpoint_status(
-            namespace, e.name, desired
-        ):
-            metrics.STATUS_WRITES.labels("KVEndpoint").inc()
-            writes += 1
+    todo = list(endpoints)
+    for delay in (*retry_delays, None):
+        failed: list[tuple[Endpoint, Exception]] = []
+        for e in todo:
+            desired = status.orphaned_endpoint_status(e, deleted=True)
+            if status.owned_part(e.status) == desired:
+                continue
+            try:
+                written = await kube.patch_endpoint_status(namespace, e.name, desired)
+            except Exception as exc:   # any failure: retried, then given up
+                failed.append((e, exc))
+                continue
+            if written:
+                metrics.STATUS_WRITES.labels("KVEndpoint").inc()
+                writes += 1
+        if not failed:
+            break
+        todo = [e for e, _ in failed]
+        if delay is None:
+            for e, exc in failed:
+                log.warning("KVTransfer %s/%s deleted, but KVEndpoint %s could not be told "
+                            "(%s); releasing the finalizer anyway", namespace, name, e.name, exc)
+            break
+        await asyncio.sleep(delay)
     metrics.forget(namespace, name)
     return writes
 

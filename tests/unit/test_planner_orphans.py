@@ -9,6 +9,7 @@ from typing import Any
 from kvbridge_operator import reconciler
 from kvbridge_operator import status as st
 from kvbridge_operator import testing as T
+from kvbridge_operator.kube import KubeError
 from kvbridge_operator.spec import Endpoint, parse_endpoint
 
 
@@ -77,3 +78,49 @@ def test_orphan_overwrites_a_stale_plan_but_not_a_terminating_endpoint() -> None
     assert not orphan(dataclasses.replace(e, deleting=True), kube)
     assert not orphan(e, FakeKube(conflict=True))  # lost against a newer write: not counted
     assert len(kube.patches) == 1
+
+
+class FailingKube(FakeKube):
+    """Fails the status patches of the endpoints in ``failures``, that many times each
+    (``None``: always), as RBAC or an API server outage would."""
+
+    def __init__(self, failures: dict[str, int | None]) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def patch_endpoint_status(self, namespace: str, name: str, status: dict,
+                                    resource_version: str | None = None) -> bool:  # fmt: skip
+        self.patches.append((namespace, name, status, resource_version))
+        left = self.failures.get(name, 0)
+        if left is None or left > 0:
+            if left is not None:
+                self.failures[name] = left - 1
+            raise KubeError(f"patching kvendpoints/{name} status: 403 Forbidden")
+        return True
+
+
+def release_eps() -> list[Endpoint]:
+    return [parse_endpoint(T.endpoint_manifest(n, role="decode", engine_id=n[:2],
+                                               transfer="kvt", namespace="serving"))
+            for n in ("d0-0", "d1-0")]  # fmt: skip
+
+
+def release(kube: FailingKube, delays: tuple[float, ...]) -> int:
+    return asyncio.run(reconciler.release("serving", "kvt", release_eps(), kube,  # type: ignore[arg-type]
+                                          retry_delays=delays))  # fmt: skip
+
+
+def test_release_never_raises_and_lets_the_finalizer_go(caplog) -> None:
+    """A write that keeps failing is retried, then logged: the delete handler returns, so
+    kopf removes the finalizer; the endpoints that could be told are told."""
+    kube = FailingKube({"d1-0": None})
+    assert release(kube, (0.0, 0.0)) == 1
+    assert [p[1] for p in kube.patches] == ["d0-0", "d1-0", "d1-0", "d1-0"]  # 1 + 2 retries
+    assert all(p[2]["reason"] == "TransferDeleted" for p in kube.patches)
+    assert "d1-0 could not be told" in caplog.text and "403 Forbidden" in caplog.text
+
+
+def test_release_retries_a_transient_failure_until_written() -> None:
+    kube = FailingKube({"d1-0": 1})
+    assert release(kube, (0.0, 0.0)) == 2
+    assert [p[1] for p in kube.patches] == ["d0-0", "d1-0", "d1-0"]
