@@ -49,7 +49,12 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     if cfg.webhook_port:
         settings.admission.server = webhook.server(cfg)
     _STATE["kube"] = Kube(concurrency=cfg.write_concurrency)
+    metrics.track(_tracked)
     metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+
+
+def _tracked() -> dict[str, int]:
+    return {**reconciler.tracked(), "nodes": len(_NODE_LABELS)}
 
 
 @kopf.on.cleanup()
@@ -87,7 +92,10 @@ def node_event(name: str, labels: kopf.Labels, type: str | None, **_: Any) -> No
     """Re-plan everything when a node's labels change (TopologyAware reads them)."""
     seen = _NODE_LABELS.get(name)
     current = None if type == "DELETED" else dict(labels)
-    _NODE_LABELS[name] = current
+    if current is None:
+        _NODE_LABELS.pop(name, None)  # a deleted node is forgotten, not kept as None
+    else:
+        _NODE_LABELS[name] = current
     if seen is not None and seen != current:
         reconciler.wake_all()
 

@@ -9,7 +9,7 @@ query these names.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
@@ -53,6 +53,12 @@ ADMISSION_REFUSALS = Counter(
     "Writes refused by the admission webhook, by resource and reason.",
     ["resource", "reason"],
 )
+TRACKED = Gauge(
+    "kvbridge_tracked_objects",
+    "Entries in the operator's own in-memory bookkeeping, by kind; they follow the number of "
+    "KVTransfers, KVEndpoints and nodes, not the number of changes.",
+    ["kind"],
+)
 for _result in ("ok", "invalid", "error"):
     RECONCILES.labels(_result)
 for _resource in ("kvendpoints", "kvtransfers"):
@@ -79,6 +85,13 @@ def record_conditions(namespace: str, transfer: str,
         if c.get("type") in CONDITIONS:
             TRANSFER_CONDITION.labels(namespace, transfer, c["type"]).set(
                 1 if c.get("status") == "True" else 0)
+
+
+def track(sizes: Callable[[], Mapping[str, int]]) -> None:
+    """Export every size ``sizes()`` returns as ``kvbridge_tracked_objects{kind}``, read at
+    scrape time."""
+    for kind in sizes():
+        TRACKED.labels(kind).set_function(lambda kind=kind: sizes().get(kind, 0))
 
 
 def forget(namespace: str, transfer: str) -> None:

@@ -30,6 +30,8 @@ log = logging.getLogger("kvbridge.operator")
 
 #: (namespace, transfer) -> event; set by ``wake``.
 _EVENTS: dict[tuple[str, str], asyncio.Event] = {}
+#: (namespace, transfer) -> what that loop wrote last (see :func:`tracked`).
+_MEMORIES: dict[tuple[str, str], _Memory] = {}
 
 Emit = Callable[[str, str, str], None]  # (type, reason, message) -> posts a k8s Event
 
@@ -39,6 +41,18 @@ def wake(namespace: str | None, transfer: str | None) -> None:
     event = _EVENTS.get((namespace or "", transfer or ""))
     if event is not None:
         event.set()
+
+
+def tracked() -> dict[str, int]:
+    """Sizes of this module's bookkeeping: planning loops, and statuses remembered as written
+    (one per live KVEndpoint and KVTransfer at most). Exported as ``kvbridge_tracked_objects``
+    so a test or an operator can see they follow the objects, not the number of changes."""
+    memories = list(_MEMORIES.values())
+    return {
+        "planning_loops": len(_EVENTS),
+        "written_endpoint_statuses": sum(len(m.endpoints) for m in memories),
+        "written_transfer_statuses": sum(m.transfer is not None for m in memories),
+    }
 
 
 def wake_all() -> None:
@@ -70,7 +84,7 @@ async def run(
     """The per-KVTransfer loop; returns when ``stopped`` (kopf's daemon flag) is set."""
     key = (namespace, name)
     event = _EVENTS[key] = asyncio.Event()
-    memory = _Memory()
+    memory = _MEMORIES[key] = _Memory()
     try:
         while not stopped:
             event.clear()
@@ -89,6 +103,8 @@ async def run(
     finally:
         if _EVENTS.get(key) is event:
             del _EVENTS[key]
+        if _MEMORIES.get(key) is memory:
+            del _MEMORIES[key]
 
 
 async def _wait_change(event: asyncio.Event, stopped: Any, timeout: float) -> None:

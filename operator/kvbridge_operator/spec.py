@@ -82,7 +82,7 @@ class Handshake:
 
 @dataclass(frozen=True)
 class Endpoint:
-    """A parsed KVEndpoint. ``status`` (operator-owned part, as last seen) is not compared."""
+    """A parsed KVEndpoint; ``status`` is the operator-owned part as last seen."""
 
     name: str
     namespace: str
@@ -106,8 +106,11 @@ class Endpoint:
     epoch: int
     geometry: Geometry
     handshakes: tuple[Handshake, ...] = ()
-    status: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
-    resource_version: str = field(default="", compare=False, hash=False)
+    # Compared (not hashed): kopf's index keeps the stored value when the new one compares
+    # equal, so a status-only change (the peers sticky pairing reads, the resourceVersion an
+    # orphan write is conditioned on) must make two parses unequal to reach the index.
+    status: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    resource_version: str = field(default="", hash=False)
 
     @property
     def label_map(self) -> dict[str, str]:

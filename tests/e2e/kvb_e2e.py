@@ -117,6 +117,55 @@ class OperatorProcess:
         return total
 
 
+OPERATOR_NS, OPERATOR_SA = "kvbridge-system", "kvbridge-operator"
+
+
+def deploy_operator(cluster: Any, workdir: Path, env: dict[str, str]) -> OperatorProcess:
+    """Install the operator as in production on ``cluster`` (a LocalCluster): its
+    ServiceAccount bound to hack/operator-rbac.yaml only, kopf peering, the admission webhook
+    over loopback TLS; start it (``env`` adds KVBRIDGE_* settings) and register the webhook.
+    Shared by the e2e session fixture and the benchmarks; the caller stops it."""
+    import kvbridge_cluster as kc
+
+    from kvbridge_operator.webhook import self_signed_certificate, webhook_configuration
+
+    k = cluster.kubectl
+    k("create", "namespace", OPERATOR_NS)
+    k("create", "serviceaccount", OPERATOR_SA, "-n", OPERATOR_NS)
+    k("apply", "-f", str(REPO / "hack" / "operator-rbac.yaml"))
+    k("create", "clusterrolebinding", "kvbridge-operator", "--clusterrole=kvbridge-operator",
+      f"--serviceaccount={OPERATOR_NS}:{OPERATOR_SA}")  # fmt: skip
+    k("apply", "-f", "-", input="apiVersion: kopf.dev/v1\nkind: ClusterKopfPeering\n"
+      "metadata: {name: kvbridge}\n")  # fmt: skip
+    token = cluster.service_account_token(OPERATOR_NS, OPERATOR_SA)
+    kubeconfig = cluster.kubeconfig_for_token(token, "operator")
+    ports = {"metrics": kc.free_port(), "liveness": kc.free_port(), "webhook": kc.free_port()}
+    cert, key = self_signed_certificate(workdir, ["127.0.0.1", "localhost"])
+    settings = {
+        "KVBRIDGE_METRICS_PORT": str(ports["metrics"]),
+        "KVBRIDGE_METRICS_ADDR": "127.0.0.1",
+        "KVBRIDGE_WEBHOOK_PORT": str(ports["webhook"]),
+        "KVBRIDGE_WEBHOOK_ADDR": "127.0.0.1",
+        "KVBRIDGE_WEBHOOK_HOST": "127.0.0.1",
+        "KVBRIDGE_WEBHOOK_CERT": str(cert),
+        "KVBRIDGE_WEBHOOK_KEY": str(key),
+        **env,
+    }
+    op = OperatorProcess(kubeconfig, workdir, settings, ports)
+    op.start()
+    vwc = webhook_configuration(
+        "kvbridge-validation", Path(cert).read_bytes(), url=f"https://127.0.0.1:{ports['webhook']}"
+    )
+    try:
+        client.AdmissionregistrationV1Api(
+            cluster.api_client()
+        ).create_validating_webhook_configuration(vwc)
+    except BaseException:
+        op.stop()
+        raise
+    return op
+
+
 class Api:
     """Thin shortcuts over the official client for KVTransfers, KVEndpoints and Pods."""
 

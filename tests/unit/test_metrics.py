@@ -3,7 +3,9 @@ refusals, the agent's info series, and labelled counters that exist before their
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from typing import Any
 
 import kopf
 import pytest
@@ -98,3 +100,69 @@ def test_kopfs_error_line_for_a_refusal_is_dropped() -> None:
     assert not main._drop_refusal_errors(
         record("Webhook 'validate-kvtransfer' failed permanently: spec.protocolVersion: ..."))
     assert main._drop_refusal_errors(record("Handler 'plan' failed permanently: boom"))
+
+
+def test_tracked_objects_are_read_at_scrape_time() -> None:
+    sizes = {"things": 1}
+    operator_metrics.track(lambda: sizes)
+    assert _value("kvbridge_tracked_objects", kind="things") == 1
+    sizes["things"] = 3
+    assert _value("kvbridge_tracked_objects", kind="things") == 3
+
+
+class _Stopped:
+    """kopf's DaemonStopped as the loop uses it: falsy until set, awaitable."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    def __bool__(self) -> bool:
+        return self.event.is_set()
+
+    async def wait(self) -> None:
+        await self.event.wait()
+
+
+class _Kube:
+    async def patch_endpoint_status(self, *_: Any, **__: Any) -> bool:
+        return True
+
+    async def patch_transfer_status(self, *_: Any, **__: Any) -> bool:
+        return True
+
+
+def test_a_planning_loop_tracks_its_endpoints_and_forgets_them_when_it_ends() -> None:
+    from kvbridge_operator import reconciler
+    from kvbridge_operator import testing as T
+    from kvbridge_operator.config import Settings
+    from kvbridge_operator.spec import parse_endpoint
+
+    raw = T.engine_manifests("p0", "prefill") + T.engine_manifests("d0", "decode")
+    for i, m in enumerate(raw):
+        m["metadata"].update(namespace="ns-t", uid=f"u{i}")
+    endpoints = [parse_endpoint(m) for m in raw]
+    body = {**T.transfer_manifest(namespace="ns-t"), "status": {}}
+    before = reconciler.tracked()
+
+    async def scenario() -> dict[str, int]:
+        stopped = _Stopped()
+        loop = asyncio.create_task(reconciler.run(
+            namespace="ns-t", name="kvt", body=body, endpoints=lambda: endpoints,
+            nodes=dict, kube=_Kube(), settings=Settings(debounce=0.0),  # type: ignore[arg-type]
+            emit=lambda *_: None, stopped=stopped))  # fmt: skip
+        while reconciler.tracked()["written_endpoint_statuses"] < before[
+                "written_endpoint_statuses"] + 2:  # fmt: skip
+            await asyncio.sleep(0.01)
+        during = reconciler.tracked()
+        for _ in range(5):  # re-plans with nothing new remember nothing more
+            reconciler.wake("ns-t", "kvt")
+            await asyncio.sleep(0.01)
+        assert reconciler.tracked() == during
+        stopped.event.set()
+        await loop
+        return during
+
+    during = asyncio.run(scenario())
+    assert during["planning_loops"] == before["planning_loops"] + 1
+    assert during["written_transfer_statuses"] == before["written_transfer_statuses"] + 1
+    assert reconciler.tracked() == before
