@@ -19,21 +19,20 @@ from typing import Any
 
 import kopf
 
-from . import admission, metrics, persistence, pod_identity, reconciler, webhook
-from .config import ENDPOINTS, FINALIZER, GROUP, TRANSFERS, VERSION, Settings
+from . import admission, metrics, persistence, pod_identity, reconciler, runtime, webhook
+from .config import ENDPOINTS, FINALIZER, GROUP, TRANSFERS, VERSION
 from .errors import SpecError
 from .kube import Kube
 from .spec import Endpoint, parse_endpoint
 
 log = logging.getLogger("kvbridge.operator")
-_STATE: dict[str, Any] = {}
-_NODE_LABELS: dict[str, dict[str, str] | None] = {}
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    """Operator settings from KVBRIDGE_* variables (see :class:`config.Settings`)."""
-    cfg = _STATE["settings"] = Settings.from_env()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """kopf's settings from KVBRIDGE_* variables (see :class:`config.Settings`), and the
+    :class:`runtime.Runtime` every handler finds in its memo."""
+    cfg = runtime.settings()
     settings.persistence.finalizer = FINALIZER
     persistence.configure(settings)
     settings.posting.loggers = False  # Events only on condition transitions (reconciler).
@@ -48,20 +47,16 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.peering.mandatory = True
     if cfg.webhook_port:
         settings.admission.server = webhook.server(cfg)
-    _STATE["kube"] = Kube(concurrency=cfg.write_concurrency)
-    metrics.track(_tracked)
+    rt = memo.runtime = runtime.Runtime(cfg, Kube(concurrency=cfg.write_concurrency))
+    metrics.track(rt.tracked)
     metrics.serve(cfg.metrics_port, cfg.metrics_addr)
 
 
-def _tracked() -> dict[str, int]:
-    return {**reconciler.tracked(), "nodes": len(_NODE_LABELS)}
-
-
 @kopf.on.cleanup()
-def shutdown(**_: Any) -> None:
-    kube = _STATE.pop("kube", None)
-    if kube is not None:
-        kube.close()
+def shutdown(memo: kopf.Memo, **_: Any) -> None:
+    rt = getattr(memo, "runtime", None)
+    if rt is not None:
+        rt.kube.close()
 
 
 @kopf.index(GROUP, VERSION, ENDPOINTS)
@@ -88,16 +83,13 @@ def node_labels(name: str, labels: kopf.Labels, **_: Any) -> Any:
 
 
 @kopf.on.event("v1", "nodes")
-def node_event(name: str, labels: kopf.Labels, type: str | None, **_: Any) -> None:
+def node_event(
+    name: str, labels: kopf.Labels, type: str | None, memo: kopf.Memo, **_: Any
+) -> None:
     """Re-plan everything when a node's labels change (TopologyAware reads them)."""
-    seen = _NODE_LABELS.get(name)
-    current = None if type == "DELETED" else dict(labels)
-    if current is None:
-        _NODE_LABELS.pop(name, None)  # a deleted node is forgotten, not kept as None
-    else:
-        _NODE_LABELS[name] = current
-    if seen is not None and seen != current:
-        reconciler.wake_all()
+    rt = runtime.from_memo(memo)
+    if rt.node_changed(name, None if type == "DELETED" else dict(labels)):
+        rt.loops.wake_all()
 
 
 @kopf.on.event(GROUP, VERSION, ENDPOINTS)
@@ -107,29 +99,37 @@ async def endpoint_event(
     body: kopf.Body,
     type: str | None,
     transfers: kopf.Index,
+    memo: kopf.Memo,
     **_: Any,
 ) -> None:
     """Wake the endpoint's KVTransfer loop; with no such KVTransfer, say so on the endpoint."""
+    rt = runtime.from_memo(memo)
     transfer = spec.get("transferName")
-    reconciler.wake(namespace, transfer)
+    rt.loops.wake(namespace, transfer)
     if type == "DELETED" or (namespace, transfer) in transfers:
         return
     try:
         endpoint = parse_endpoint(body)
     except SpecError:
         return  # logged by the index
-    await reconciler.orphan(endpoint, _STATE["kube"])
+    await reconciler.orphan(endpoint, rt.kube)
 
 
 @kopf.on.event(GROUP, VERSION, TRANSFERS)
 async def transfer_event(
-    namespace: str, name: str, type: str | None, endpoints_by_transfer: kopf.Index, **_: Any
+    namespace: str,
+    name: str,
+    type: str | None,
+    endpoints_by_transfer: kopf.Index,
+    memo: kopf.Memo,
+    **_: Any,
 ) -> None:
     """Wake the KVTransfer's loop; once it is gone, its endpoints say it was deleted."""
-    reconciler.wake(namespace, name)
+    rt = runtime.from_memo(memo)
+    rt.loops.wake(namespace, name)
     if type == "DELETED":
         for e in _endpoints(endpoints_by_transfer, namespace, name):
-            await reconciler.orphan(e, _STATE["kube"], deleted=True)
+            await reconciler.orphan(e, rt.kube, deleted=True)
 
 
 @kopf.daemon(
@@ -142,35 +142,39 @@ async def plan_transfer(
     stopped: kopf.DaemonStopped,
     endpoints_by_transfer: kopf.Index,
     node_labels: kopf.Index,
+    memo: kopf.Memo,
     **_: Any,
 ) -> None:
     """Plan this KVTransfer whenever its endpoints or spec change (see reconciler)."""
+    rt = runtime.from_memo(memo)
+    ctx = reconciler.Context(
+        namespace, name, rt.kube, rt.settings,
+        emit=lambda type_, reason, msg: kopf.event(body, type=type_, reason=reason, message=msg),
+    )  # fmt: skip
     await reconciler.run(
-        namespace=namespace,
-        name=name,
+        ctx,
+        rt.loops,
         body=body,
         endpoints=lambda: _endpoints(endpoints_by_transfer, namespace, name),
         nodes=lambda: {k: next(iter(v), {}) for k, v in node_labels.items()},
-        kube=_STATE["kube"],
-        settings=_STATE["settings"],
-        emit=lambda type_, reason, msg: kopf.event(body, type=type_, reason=reason, message=msg),
         stopped=stopped,
     )
 
 
 @kopf.on.delete(GROUP, VERSION, TRANSFERS, id="release")
 async def release_endpoints(
-    name: str, namespace: str, endpoints_by_transfer: kopf.Index, **_: Any
+    name: str, namespace: str, endpoints_by_transfer: kopf.Index, memo: kopf.Memo, **_: Any
 ) -> None:
     """Withdraw peers from the endpoints of a deleted KVTransfer."""
     await reconciler.release(
-        namespace, name, _endpoints(endpoints_by_transfer, namespace, name), _STATE["kube"]
-    )
+        namespace, name, _endpoints(endpoints_by_transfer, namespace, name),
+        runtime.from_memo(memo).kube,
+    )  # fmt: skip
 
 
 def validate_kvendpoint(body: kopf.Body, old: Any, userinfo: Any, **_: Any) -> None:
     """Schema-independent rules, and only the owning pod may write a KVEndpoint's spec."""
-    settings = _STATE.get("settings") or Settings.from_env()
+    settings = runtime.settings()
     identity = pod_identity.check_pod_identity(
         body, userinfo, exempt_users=settings.admission_exempt_users
     )
@@ -188,7 +192,7 @@ def validate_kvtransfer(body: kopf.Body, old: Any, **_: Any) -> None:
 
 # kopf refuses to start with admission handlers but no server, so the webhooks exist only
 # when KVBRIDGE_WEBHOOK_PORT is set (a standby replica or a webhook-less install runs without).
-if Settings.from_env().webhook_port:
+if runtime.settings().webhook_port:
     kopf.on.validate(GROUP, VERSION, ENDPOINTS, id="validate-kvendpoint")(validate_kvendpoint)
     kopf.on.validate(GROUP, VERSION, TRANSFERS, id="validate-kvtransfer")(validate_kvtransfer)
 

@@ -4,9 +4,9 @@ State machine per KVTransfer (one asyncio task, the kopf daemon):
 
     plan + write  ->  wait (woken by ``wake()`` or the resync interval)  ->  debounce  -> ...
 
-``wake()`` is called from kopf event handlers on the same event loop; it only sets an
-``asyncio.Event``. The loop reads the endpoints from kopf's in-memory index (fed by the same
-watch stream), so a burst of changes is coalesced into one plan. Writes are merge patches
+:meth:`PlanningLoops.wake` is called from kopf event handlers on the same event loop; it only
+sets an ``asyncio.Event``. The loop reads the endpoints from kopf's in-memory index (fed by
+the same watch stream), so a burst of changes is coalesced into one plan. Writes are merge patches
 sent only when the computed status differs from what is stored (or was last written and not
 yet seen back), so a restarted operator, which recomputes the same plan, writes nothing.
 """
@@ -28,83 +28,95 @@ from .spec import Endpoint, parse_transfer
 
 log = logging.getLogger("kvbridge.operator")
 
-#: (namespace, transfer) -> event; set by ``wake``.
-_EVENTS: dict[tuple[str, str], asyncio.Event] = {}
-#: (namespace, transfer) -> what that loop wrote last (see :func:`tracked`).
-_MEMORIES: dict[tuple[str, str], _Memory] = {}
-
 Emit = Callable[[str, str, str], None]  # (type, reason, message) -> posts a k8s Event
-
-
-def wake(namespace: str | None, transfer: str | None) -> None:
-    """Ask the loop of KVTransfer ``namespace/transfer`` to re-plan soon (no-op if none)."""
-    event = _EVENTS.get((namespace or "", transfer or ""))
-    if event is not None:
-        event.set()
-
-
-def tracked() -> dict[str, int]:
-    """Sizes of this module's bookkeeping: planning loops, and statuses remembered as written
-    (one per live KVEndpoint and KVTransfer at most). Exported as ``kvbridge_tracked_objects``
-    so a test or an operator can see they follow the objects, not the number of changes."""
-    memories = list(_MEMORIES.values())
-    return {
-        "planning_loops": len(_EVENTS),
-        "written_endpoint_statuses": sum(len(m.endpoints) for m in memories),
-        "written_transfer_statuses": sum(m.transfer is not None for m in memories),
-    }
-
-
-def wake_all() -> None:
-    """Ask every planning loop to re-plan soon (e.g. a node's topology label changed)."""
-    for event in _EVENTS.values():
-        event.set()
+LoopKey = tuple[str, str]  # (namespace, KVTransfer name)
 
 
 @dataclass
-class _Memory:
-    """What this loop wrote last, to skip rewrites before the watch echoes them back."""
+class WriteMemory:
+    """What one loop wrote last, to skip rewrites before the watch echoes them back."""
 
     transfer: dict[str, Any] | None = None
     endpoints: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
 
 
+@dataclass
+class PlanningLoops:
+    """The running planning loops: each KVTransfer's wake-up event and write memory. Part
+    of the operator's :class:`~.runtime.Runtime`, so nothing here is process-global."""
+
+    events: dict[LoopKey, asyncio.Event] = field(default_factory=dict)
+    memories: dict[LoopKey, WriteMemory] = field(default_factory=dict)
+
+    def wake(self, namespace: str | None, transfer: str | None) -> None:
+        """Ask the loop of KVTransfer ``namespace/transfer`` to re-plan soon (no-op if none)."""
+        event = self.events.get((namespace or "", transfer or ""))
+        if event is not None:
+            event.set()
+
+    def wake_all(self) -> None:
+        """Ask every loop to re-plan soon (e.g. a node's topology label changed)."""
+        for event in self.events.values():
+            event.set()
+
+    def tracked(self) -> dict[str, int]:
+        """Sizes of the bookkeeping: loops, and statuses remembered as written (one per live
+        KVEndpoint and KVTransfer at most). Exported as ``kvbridge_tracked_objects`` so a
+        test or a platform team can see they follow the objects, not the number of changes."""
+        memories = list(self.memories.values())
+        return {
+            "planning_loops": len(self.events),
+            "written_endpoint_statuses": sum(len(m.endpoints) for m in memories),
+            "written_transfer_statuses": sum(m.transfer is not None for m in memories),
+        }
+
+
+@dataclass(frozen=True)
+class Context:
+    """What one KVTransfer's loop plans and how it writes: the target, the writer, the
+    settings, where Events go and what it wrote last."""
+
+    namespace: str
+    name: str
+    kube: Kube
+    settings: Settings
+    emit: Emit
+    memory: WriteMemory = field(default_factory=WriteMemory)
+
+
 async def run(
+    ctx: Context,
+    loops: PlanningLoops,
     *,
-    namespace: str,
-    name: str,
     body: Mapping[str, Any],
     endpoints: Callable[[], Iterable[Endpoint]],
     nodes: Callable[[], Mapping[str, Mapping[str, str]]],
-    kube: Kube,
-    settings: Settings,
-    emit: Emit,
     stopped: Any,
 ) -> None:
-    """The per-KVTransfer loop; returns when ``stopped`` (kopf's daemon flag) is set."""
-    key = (namespace, name)
-    event = _EVENTS[key] = asyncio.Event()
-    memory = _MEMORIES[key] = _Memory()
+    """The per-KVTransfer loop, registered in ``loops`` while it runs; returns when
+    ``stopped`` (kopf's daemon flag) is set."""
+    key = (ctx.namespace, ctx.name)
+    event = loops.events[key] = asyncio.Event()
+    loops.memories[key] = ctx.memory
+    settings = ctx.settings
     try:
         while not stopped:
             event.clear()
             try:
-                await reconcile(
-                    namespace, name, body, list(endpoints()), nodes(), kube, emit, memory, settings
-                )
+                await reconcile(ctx, body, list(endpoints()), nodes())
             except Exception:
                 metrics.RECONCILES.labels("error").inc()
-                log.exception("planning KVTransfer %s/%s failed; retrying", namespace, name)
+                log.exception("planning KVTransfer %s/%s failed; retrying", *key)
                 await asyncio.sleep(1.0)
                 continue
             await _wait_change(event, stopped, settings.resync)
             if event.is_set() and not stopped:
                 await asyncio.sleep(settings.debounce)
     finally:
-        if _EVENTS.get(key) is event:
-            del _EVENTS[key]
-        if _MEMORIES.get(key) is memory:
-            del _MEMORIES[key]
+        if loops.events.get(key) is event:
+            del loops.events[key]
+        if loops.memories.get(key) is ctx.memory:
+            del loops.memories[key]
 
 
 async def _wait_change(event: asyncio.Event, stopped: Any, timeout: float) -> None:
@@ -123,17 +135,13 @@ async def _until(stopped: Any) -> None:
 
 
 async def reconcile(
-    namespace: str,
-    name: str,
+    ctx: Context,
     body: Mapping[str, Any],
     endpoints: list[Endpoint],
     nodes: Mapping[str, Mapping[str, str]],
-    kube: Kube,
-    emit: Emit,
-    memory: _Memory,
-    settings: Settings,
 ) -> planner.Plan | None:
     """Plan once and write what changed. Returns the plan (None for an invalid spec)."""
+    namespace, name, kube, memory = ctx.namespace, ctx.name, ctx.kube, ctx.memory
     started = time.perf_counter()
     generation = int((body.get("metadata") or {}).get("generation") or 0)
     stored = dict(body.get("status") or {})
@@ -143,14 +151,14 @@ async def reconcile(
         transfer = parse_transfer(body)
     except SpecError as exc:
         new = status.invalid_transfer_status(old, generation=generation, now=now, message=str(exc))
-        await _write_transfer(kube, namespace, name, stored, old, new, memory, emit)
+        await _write_transfer(ctx, stored, old, new)
         metrics.record_conditions(namespace, name, new["conditions"])
         metrics.RECONCILES.labels("invalid").inc()
         return None
     plan = planner.plan(transfer, endpoints, nodes)
     new = status.transfer_status(plan, old, generation=generation, now=now)
     by_name = {e.name: e for e in endpoints}
-    semaphore = asyncio.Semaphore(settings.write_concurrency)
+    semaphore = asyncio.Semaphore(ctx.settings.write_concurrency)
 
     async def write_endpoint(verdict: planner.EndpointPlan) -> None:
         e = by_name[verdict.name]
@@ -166,7 +174,7 @@ async def reconcile(
     live = {(e.name, e.uid) for e in endpoints}
     for gone in set(memory.endpoints) - live:
         del memory.endpoints[gone]
-    await _write_transfer(kube, namespace, name, stored, old, new, memory, emit)
+    await _write_transfer(ctx, stored, old, new)
     metrics.record(namespace, name, plan)
     metrics.record_conditions(namespace, name, new["conditions"])
     metrics.RECONCILES.labels("ok").inc()
@@ -175,23 +183,17 @@ async def reconcile(
 
 
 async def _write_transfer(
-    kube: Kube,
-    namespace: str,
-    name: str,
-    stored: dict[str, Any],
-    old: dict[str, Any],
-    new: dict[str, Any],
-    memory: _Memory,
-    emit: Emit,
+    ctx: Context, stored: dict[str, Any], old: dict[str, Any], new: dict[str, Any]
 ) -> None:
+    memory = ctx.memory
     if new in (stored, memory.transfer):
         return
-    if await kube.patch_transfer_status(namespace, name, _with_removals(stored, new)):
+    if await ctx.kube.patch_transfer_status(ctx.namespace, ctx.name, _with_removals(stored, new)):
         metrics.STATUS_WRITES.labels("KVTransfer").inc()
         memory.transfer = new
         for c in status.transitions(old.get("conditions"), new.get("conditions") or []):
             good = (c["status"] == "True") != (c["type"] == "Degraded")
-            emit(
+            ctx.emit(
                 "Normal" if good else "Warning",
                 c["reason"],
                 f"{c['type']}={c['status']}: {c['message']}",

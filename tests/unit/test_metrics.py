@@ -142,27 +142,28 @@ def test_a_planning_loop_tracks_its_endpoints_and_forgets_them_when_it_ends() ->
         m["metadata"].update(namespace="ns-t", uid=f"u{i}")
     endpoints = [parse_endpoint(m) for m in raw]
     body = {**T.transfer_manifest(namespace="ns-t"), "status": {}}
-    before = reconciler.tracked()
+    loops = reconciler.PlanningLoops()
+    assert loops.tracked() == dict.fromkeys(
+        ("planning_loops", "written_endpoint_statuses", "written_transfer_statuses"), 0)
+    ctx = reconciler.Context("ns-t", "kvt", _Kube(), Settings(debounce=0.0),  # type: ignore[arg-type]
+                             emit=lambda *_: None)  # fmt: skip
 
     async def scenario() -> dict[str, int]:
         stopped = _Stopped()
         loop = asyncio.create_task(reconciler.run(
-            namespace="ns-t", name="kvt", body=body, endpoints=lambda: endpoints,
-            nodes=dict, kube=_Kube(), settings=Settings(debounce=0.0),  # type: ignore[arg-type]
-            emit=lambda *_: None, stopped=stopped))  # fmt: skip
-        while reconciler.tracked()["written_endpoint_statuses"] < before[
-                "written_endpoint_statuses"] + 2:  # fmt: skip
+            ctx, loops, body=body, endpoints=lambda: endpoints, nodes=dict, stopped=stopped))
+        while loops.tracked()["written_endpoint_statuses"] < 2:
             await asyncio.sleep(0.01)
-        during = reconciler.tracked()
+        during = loops.tracked()
         for _ in range(5):  # re-plans with nothing new remember nothing more
-            reconciler.wake("ns-t", "kvt")
+            loops.wake("ns-t", "kvt")
             await asyncio.sleep(0.01)
-        assert reconciler.tracked() == during
+        assert loops.tracked() == during
         stopped.event.set()
         await loop
         return during
 
     during = asyncio.run(scenario())
-    assert during["planning_loops"] == before["planning_loops"] + 1
-    assert during["written_transfer_statuses"] == before["written_transfer_statuses"] + 1
-    assert reconciler.tracked() == before
+    assert during == {"planning_loops": 1, "written_endpoint_statuses": 2,
+                      "written_transfer_statuses": 1}
+    assert loops.tracked() == dict.fromkeys(during, 0)

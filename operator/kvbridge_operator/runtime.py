@@ -1,0 +1,60 @@
+"""The operator's process state in one object, handed to every handler as kopf's memo.
+
+Settings are read once (:func:`settings`), at import: they decide which admission handlers
+exist. The rest is made by the startup handler: the Kubernetes writer, the planning loops
+(each KVTransfer's wake-up event and write memory) and the node labels last seen, which the
+TopologyAware policy follows. Handlers take it from ``memo.runtime``; nothing else in the
+operator keeps state between calls (the Prometheus metrics aside).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import Settings
+from .kube import Kube
+from .reconciler import PlanningLoops
+
+__all__ = ["Runtime", "from_memo", "settings"]
+
+
+@functools.cache
+def settings() -> Settings:
+    """The operator's settings, read from its environment once per process."""
+    return Settings.from_env()
+
+
+@dataclass
+class Runtime:
+    """What the handlers share: settings, the writer, the planning loops, node labels."""
+
+    settings: Settings
+    kube: Kube
+    loops: PlanningLoops = field(default_factory=PlanningLoops)
+    #: node name -> labels as last seen (a deleted node is forgotten)
+    nodes: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def tracked(self) -> dict[str, int]:
+        """Sizes of the bookkeeping, for ``kvbridge_tracked_objects``."""
+        return {**self.loops.tracked(), "nodes": len(self.nodes)}
+
+    def node_changed(self, name: str, labels: dict[str, str] | None) -> bool:
+        """Record node ``name``'s labels (None: deleted); True when a known node's labels
+        changed or it went away, which re-plans every KVTransfer."""
+        seen = self.nodes.get(name)
+        if labels is None:
+            self.nodes.pop(name, None)
+        else:
+            self.nodes[name] = labels
+        return seen is not None and seen != labels
+
+
+def from_memo(memo: Any) -> Runtime:
+    """The runtime kopf carries in ``memo`` (set by the startup handler)."""
+    runtime = getattr(memo, "runtime", None)
+    if runtime is None:
+        raise RuntimeError("kvbridge operator runtime missing from kopf's memo: the startup "
+                           "handler has not run")
+    return runtime
