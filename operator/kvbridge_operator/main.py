@@ -10,6 +10,9 @@ Handlers only translate kopf kwargs and call into ``reconciler`` / ``admission``
 - ``release_endpoints``: on KVTransfer deletion (finalizer ``kvbridge.io/finalizer``);
 - ``validate_kvendpoint`` / ``validate_kvtransfer``: admission webhooks;
 - ``configure``: settings (finalizer, annotations, peering, webhook server, metrics).
+
+Importing this module also makes kopf's watch streams survive a kube-apiserver restart
+(see ``kopf_watch``).
 """
 
 from __future__ import annotations
@@ -19,14 +22,17 @@ from typing import Any
 
 import kopf
 
-from . import admission, metrics, pod_identity, reconciler, webhook
+from . import admission, kopf_watch, metrics, pod_identity, reconciler, webhook
 from .config import ANNOTATION_PREFIX, ENDPOINTS, FINALIZER, GROUP, TRANSFERS, VERSION, Settings
 from .errors import SpecError
 from .kube import Kube
 from .spec import Endpoint, parse_endpoint
 
 log = logging.getLogger("kvbridge.operator")
+kopf_watch.install()
 _STATE: dict[str, Any] = {}
+#: Seconds before a failed ``release_endpoints`` runs again.
+RELEASE_RETRY_S = 2.0
 _NODE_LABELS: dict[str, dict[str, str] | None] = {}
 
 
@@ -106,8 +112,12 @@ async def endpoint_event(
     transfers: kopf.Index,
     **_: Any,
 ) -> None:
-    """Wake the endpoint's KVTransfer loop; with no such KVTransfer, say so on the endpoint."""
+    """Wake the endpoint's KVTransfer loop; with no such KVTransfer, say so on the endpoint.
+    A listed endpoint (type None: startup, or a relist after 410 Gone) makes every loop look
+    for endpoints deleted while the watch was down (see reconciler)."""
     transfer = spec.get("transferName")
+    if type is None:
+        reconciler.relisted()
     reconciler.wake(namespace, transfer)
     if type == "DELETED" or (namespace, transfer) in transfers:
         return
@@ -159,10 +169,18 @@ async def plan_transfer(
 async def release_endpoints(
     name: str, namespace: str, endpoints_by_transfer: kopf.Index, **_: Any
 ) -> None:
-    """Withdraw peers from the endpoints of a deleted KVTransfer."""
-    await reconciler.release(
-        namespace, name, _endpoints(endpoints_by_transfer, namespace, name), _STATE["kube"]
-    )
+    """Withdraw peers from the endpoints of a deleted KVTransfer. A failed write (the API
+    server restarting, say) is retried in ``RELEASE_RETRY_S``, not after kopf's default minute:
+    the finalizer holds the KVTransfer until this succeeds."""
+    try:
+        await reconciler.release(
+            namespace, name, _endpoints(endpoints_by_transfer, namespace, name), _STATE["kube"]
+        )
+    except Exception as exc:
+        raise kopf.TemporaryError(
+            f"withdrawing the peers of KVTransfer {namespace}/{name}'s endpoints failed: {exc}",
+            delay=RELEASE_RETRY_S,
+        ) from exc
 
 
 def validate_kvendpoint(body: kopf.Body, old: Any, userinfo: Any, **_: Any) -> None:

@@ -9,6 +9,12 @@ State machine per KVTransfer (one asyncio task, the kopf daemon):
 watch stream), so a burst of changes is coalesced into one plan. Writes are merge patches
 sent only when the computed status differs from what is stored (or was last written and not
 yet seen back), so a restarted operator, which recomputes the same plan, writes nothing.
+
+Ghosts: when a watch expires (410 Gone) kopf lists again; the listing brings every object that
+exists but says nothing of those deleted while the watch was down, and kopf's index keeps
+them. So after every listing (``relisted``), at a loop's start and every resync interval, the
+loop compares the index with the stored KVEndpoints (:func:`find_ghosts`) and plans without
+the ones that are gone.
 """
 
 from __future__ import annotations
@@ -41,6 +47,18 @@ def wake(namespace: str | None, transfer: str | None) -> None:
         event.set()
 
 
+#: How many KVEndpoint listing events kopf has delivered (see ``relisted``).
+_LISTINGS = 0
+
+
+def relisted() -> None:
+    """kopf delivered a KVEndpoint from a listing (event type None: at startup, or after an
+    expired watch): every loop looks for ghosts before its next plan."""
+    global _LISTINGS
+    _LISTINGS += 1
+    wake_all()
+
+
 def wake_all() -> None:
     """Ask every planning loop to re-plan soon (e.g. a node's topology label changed)."""
     for event in _EVENTS.values():
@@ -53,6 +71,16 @@ class _Memory:
 
     transfer: dict[str, Any] | None = None
     endpoints: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    #: UIDs of index entries that are no longer stored (see the module docstring).
+    ghosts: set[str] = field(default_factory=set)
+    #: ``_LISTINGS`` and the monotonic time at the last ghost check (None: never checked).
+    checked: tuple[int, float] | None = None
+
+    def check_due(self, resync: float) -> bool:
+        if self.checked is None:
+            return True
+        listings, when = self.checked
+        return listings != _LISTINGS or time.monotonic() - when >= resync
 
 
 async def run(
@@ -75,8 +103,13 @@ async def run(
         while not stopped:
             event.clear()
             try:
+                current = list(endpoints())
+                if memory.check_due(settings.resync):
+                    memory.checked = (_LISTINGS, time.monotonic())
+                    await _check_ghosts(namespace, name, current, kube, memory)
+                current = [e for e in current if e.uid not in memory.ghosts]
                 await reconcile(
-                    namespace, name, body, list(endpoints()), nodes(), kube, emit, memory, settings
+                    namespace, name, body, current, nodes(), kube, emit, memory, settings
                 )
             except Exception:
                 metrics.RECONCILES.labels("error").inc()
@@ -89,6 +122,38 @@ async def run(
     finally:
         if _EVENTS.get(key) is event:
             del _EVENTS[key]
+
+
+async def find_ghosts(namespace: str, endpoints: Iterable[Endpoint], kube: Kube) -> set[str]:
+    """UIDs of ``endpoints`` (kopf's index) that are no longer stored: one LIST of the
+    namespace, then a GET of each endpoint missing from it (it may be newer than the LIST)."""
+    endpoints = list(endpoints)
+    if not endpoints:
+        return set()
+    stored = await kube.endpoint_uids(namespace)
+    return {
+        e.uid
+        for e in endpoints
+        if e.uid not in stored and await kube.endpoint_uid(namespace, e.name) != e.uid
+    }
+
+
+async def _check_ghosts(
+    namespace: str, name: str, endpoints: list[Endpoint], kube: Kube, memory: _Memory
+) -> None:
+    indexed = {e.uid for e in endpoints}
+    memory.ghosts &= indexed  # kopf's index keeps a ghost as long as the operator runs
+    new = await find_ghosts(namespace, (e for e in endpoints if e.uid not in memory.ghosts), kube)
+    if new:
+        names = sorted(e.name for e in endpoints if e.uid in new)
+        log.warning(
+            "KVTransfer %s/%s: KVEndpoint(s) %s were deleted while the watch was down "
+            "(kopf's index still holds them); planning without them",
+            namespace,
+            name,
+            ", ".join(names),
+        )
+        memory.ghosts |= new
 
 
 async def _wait_change(event: asyncio.Event, stopped: Any, timeout: float) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -86,11 +87,15 @@ class OperatorProcess:
             if self.proc is not None and self.proc.poll() is not None:
                 raise AssertionError(f"operator exited:\n{self.log()[-4000:]}")
             try:
-                return http_get(self.liveness_url)[0] == 200
+                if http_get(self.liveness_url)[0] != 200:
+                    return False
+                if "webhook" in self.ports:  # served a moment after liveness
+                    socket.create_connection(("127.0.0.1", self.ports["webhook"]), 1).close()
+                return True
             except OSError:
                 return False
 
-        wait_for(alive, timeout=timeout, what="operator liveness")
+        wait_for(alive, timeout=timeout, what="operator liveness (and webhook)")
 
     def stop(self) -> None:
         if self.proc is None:
@@ -104,8 +109,29 @@ class OperatorProcess:
                 self.proc.wait(timeout=5)
         self.proc = None
 
+    def kill(self) -> None:
+        """SIGKILL: the operator dies wherever it is (no cleanup handlers run)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP: frozen, its connections open but unread (a long GC pause, a stalled node)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def logs(self) -> str:
+        """The logs of every start so far, in order."""
+        paths = (self.workdir / f"operator-{i}.log" for i in range(1, self.starts + 1))
+        return "".join(p.read_text(errors="replace") for p in paths if p.exists())
 
     def metric(self, name: str) -> float:
         """Sum of all samples of a metric family line prefix (e.g. kvbridge_reconciles_total)."""
@@ -115,6 +141,53 @@ class OperatorProcess:
             if line.startswith(name) and not line.startswith("#"):
                 total += float(line.rsplit(" ", 1)[1])
         return total
+
+
+OPERATOR_NS, OPERATOR_SA = "kvbridge-system", "kvbridge-operator"
+
+
+def deploy_operator(cluster: Any, work: Path, *, extra_args: Iterable[str] = (),
+                    extra_env: dict[str, str] | None = None) -> OperatorProcess:  # fmt: skip
+    """Start the operator on ``cluster`` (a ``LocalCluster``) as it runs in a cluster: its
+    namespace, ServiceAccount and least-privilege RBAC, kopf peering, and the admission webhook
+    registered with the apiserver. The caller stops the returned process."""
+    import kvbridge_cluster as kc
+
+    from kvbridge_operator.webhook import self_signed_certificate, webhook_configuration
+
+    k = cluster.kubectl
+    k("create", "namespace", OPERATOR_NS)
+    k("create", "serviceaccount", OPERATOR_SA, "-n", OPERATOR_NS)
+    k("apply", "-f", str(REPO / "hack" / "operator-rbac.yaml"))
+    k("create", "clusterrolebinding", "kvbridge-operator", "--clusterrole=kvbridge-operator",
+      f"--serviceaccount={OPERATOR_NS}:{OPERATOR_SA}")  # fmt: skip
+    k("apply", "-f", "-", input="apiVersion: kopf.dev/v1\nkind: ClusterKopfPeering\n"
+      "metadata: {name: kvbridge}\n")  # fmt: skip
+    token = cluster.service_account_token(OPERATOR_NS, OPERATOR_SA)
+    kubeconfig = cluster.kubeconfig_for_token(token, "operator")
+    ports = {"metrics": kc.free_port(), "liveness": kc.free_port(), "webhook": kc.free_port()}
+    cert, key = self_signed_certificate(work, ["127.0.0.1", "localhost"])
+    env = {
+        "KVBRIDGE_METRICS_PORT": str(ports["metrics"]),
+        "KVBRIDGE_METRICS_ADDR": "127.0.0.1",
+        "KVBRIDGE_WEBHOOK_PORT": str(ports["webhook"]),
+        "KVBRIDGE_WEBHOOK_ADDR": "127.0.0.1",
+        "KVBRIDGE_WEBHOOK_HOST": "127.0.0.1",
+        "KVBRIDGE_WEBHOOK_CERT": str(cert),
+        "KVBRIDGE_WEBHOOK_KEY": str(key),
+        "KVBRIDGE_DEBOUNCE": "0.1",
+        **(extra_env or {}),
+    }
+    op = OperatorProcess(kubeconfig, work, env, ports)
+    op.extra_args = list(extra_args)
+    op.start()
+    vwc = webhook_configuration(
+        "kvbridge-validation", Path(cert).read_bytes(), url=f"https://127.0.0.1:{ports['webhook']}"
+    )
+    client.AdmissionregistrationV1Api(cluster.api_client()).create_validating_webhook_configuration(
+        vwc
+    )
+    return op
 
 
 class Api:
