@@ -27,8 +27,13 @@ NS, SEED = "faults", 11
 
 
 class TcpProxy:
-    """Forwards 127.0.0.1:``port`` to ``target``; :meth:`cut` drops every connection and
-    refuses new ones until :meth:`restore` (an agent's node cut off from the apiserver)."""
+    """Forwards 127.0.0.1:``port`` to ``target``, for an agent cut off from the apiserver.
+
+    :meth:`cut` drops every connection and refuses new ones (the apiserver unreachable);
+    :meth:`stall` keeps connections open but forwards nothing, new ones included (a network
+    partition: requests hang until the client's timeout). :meth:`restore` heals both; what a
+    stall held back is then delivered, as TCP would after a partition.
+    """
 
     def __init__(self, target_host: str, target_port: int) -> None:
         self.target = (target_host, target_port)
@@ -37,8 +42,11 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self._cut = False
+        self._flowing = threading.Event()
+        self._flowing.set()
         self._closed = False
         self.refused = 0  # connections turned away while cut
+        self.held = 0  # connections or chunks held back while stalled
         threading.Thread(target=self._accept, name="tcp-proxy", daemon=True).start()
 
     @property
@@ -52,12 +60,17 @@ class TcpProxy:
         for s in socks:
             _close(s)
 
+    def stall(self) -> None:
+        self._flowing.clear()
+
     def restore(self) -> None:
         with self._lock:
             self._cut = False
+        self._flowing.set()
 
     def close(self) -> None:
         self._closed = True
+        self._flowing.set()
         self.cut()
         _close(self._server)
 
@@ -67,27 +80,38 @@ class TcpProxy:
                 conn, _ = self._server.accept()
             except OSError:
                 return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _wait_flowing(self) -> None:
+        if not self._flowing.is_set():
             with self._lock:
-                cut = self._cut
-                if cut:
-                    self.refused += 1
+                self.held += 1
+            self._flowing.wait()
+
+    def _serve(self, conn: socket.socket) -> None:
+        self._wait_flowing()
+        with self._lock:
+            cut = self._cut
             if cut:
-                _close(conn)
-                continue
-            try:
-                upstream = socket.create_connection(self.target, timeout=5)
-            except OSError:
-                _close(conn)
-                continue
-            upstream.settimeout(None)
-            with self._lock:
-                self._open |= {conn, upstream}
-            for a, b in ((conn, upstream), (upstream, conn)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+                self.refused += 1
+        if cut or self._closed:
+            _close(conn)
+            return
+        try:
+            upstream = socket.create_connection(self.target, timeout=5)
+        except OSError:
+            _close(conn)
+            return
+        upstream.settimeout(None)
+        with self._lock:
+            self._open |= {conn, upstream}
+        threading.Thread(target=self._pipe, args=(upstream, conn), daemon=True).start()
+        self._pipe(conn, upstream)
 
     def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
+                self._wait_flowing()
                 dst.sendall(data)
         except OSError:
             pass

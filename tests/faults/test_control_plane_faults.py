@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sized
 import pytest
 from faultlib import NS, SEED, Agents, compact_etcd, divergence, endpoint_census, etcd_revision
 from kvb_e2e import Api, OperatorProcess, wait_for
+from sim import SimPod
 
 from kvbridge_operator.config import ENDPOINTS, TRANSFERS
 
@@ -76,6 +77,11 @@ def assert_transfers_work(api: Api, agents: Agents) -> None:
                      local_block_ids=LOCAL, remote_block_ids=REMOTE, verify_seed=SEED,
                      timeout_s=5.0)  # fmt: skip
         assert res["ok"] and res["verified"], (p["name"], res)
+
+
+def sync_failures(agent: SimPod) -> int:
+    """How often the agent's KVEndpoint sync has failed (its log)."""
+    return agent.log_path.read_text(errors="replace").count("sync failed")
 
 
 def assert_deleted(api: Api, transfer: str, endpoints: Iterable[str]) -> None:
@@ -292,6 +298,7 @@ def test_agent_cut_off_keeps_transferring_and_resyncs(cluster, api: Api, agents:
                                                       ) -> None:  # fmt: skip
     d = agents.decode
     assert_transfers_work(api, agents)
+    failures = sync_failures(d)
     agents.proxy.cut()
     try:
         # A new prefill engine appears; the operator assigns it to d-0, which cannot see it.
@@ -304,12 +311,46 @@ def test_agent_cut_off_keeps_transferring_and_resyncs(cluster, api: Api, agents:
         res = d.call("pull", request_id="cut-1", remote_engine_id="P0", local_block_ids=LOCAL,
                      remote_block_ids=REMOTE, verify_seed=SEED, timeout_s=5.0)  # fmt: skip
         assert res["ok"] and res["verified"], res
-        wait_for(lambda: agents.proxy.refused >= 2, timeout=30, what="d-0 tried the apiserver")
+        wait_for(lambda: agents.proxy.refused >= 2 and sync_failures(d) > failures, timeout=30,
+                 what="d-0 tried the apiserver and failed")  # fmt: skip
         assert set(d.status()["peers"]) == {"p-0"}, "d-0 saw the apiserver through the cut"
     finally:
         agents.proxy.restore()
     wait_for(lambda: set(d.status()["peers"]) == {"p-0", "p-1"}, timeout=60,
              what="d-0 resynced its peers")  # fmt: skip
+    converge(api, "kvt")
+    assert_endpoints(api, set(agents.pods))
+    assert_transfers_work(api, agents)
+
+
+def test_agent_partitioned_keeps_transferring_and_drops_a_gone_peer(
+    cluster, api: Api, agents: Agents
+) -> None:
+    """A partition (requests hang, nothing refused) while a peer goes away: d-0 keeps pulling
+    from the peer that is still there and, once healed, drops the one that is gone."""
+    d = agents.decode
+    assert set(d.status()["peers"]) == {"p-0", "p-1"}
+    failures = sync_failures(d)
+    agents.proxy.stall()
+    try:
+        gone = agents.pods.pop("p-1")
+        gone.close()
+        gone.delete_pod()
+        wait_for(lambda: [p["name"] for p in api.endpoint(NS, "d-0")["status"]["peers"]]
+                 == ["p-0"], timeout=60, what="operator withdraws p-1 from d-0")  # fmt: skip
+        agents.pods["p-0"].call("hold", request_ids=["stall-1"])
+        d.call("clear")
+        res = d.call("pull", request_id="stall-1", remote_engine_id="P0", local_block_ids=LOCAL,
+                     remote_block_ids=REMOTE, verify_seed=SEED, timeout_s=5.0)  # fmt: skip
+        assert res["ok"] and res["verified"], res
+        wait_for(lambda: agents.proxy.held >= 1, timeout=30, what="d-0 tried the apiserver")
+        # Held long enough for d-0's requests to time out (10 s), not just to wait.
+        wait_for(lambda: sync_failures(d) > failures, timeout=60, what="d-0's sync timed out")
+        assert set(d.status()["peers"]) == {"p-0", "p-1"}, "d-0 saw the apiserver through it"
+    finally:
+        agents.proxy.restore()
+    wait_for(lambda: set(d.status()["peers"]) == {"p-0"}, timeout=60,
+             what="d-0 resynced and dropped p-1")  # fmt: skip
     converge(api, "kvt")
     assert_endpoints(api, set(agents.pods))
     assert_transfers_work(api, agents)
