@@ -139,7 +139,8 @@ class LocalCluster:
     """etcd + kube-apiserver + kube-controller-manager on loopback; see the module docstring.
 
     Use as a context manager or call :meth:`start`/:meth:`stop`. ``kubeconfig`` is an admin
-    kubeconfig (static token in group system:masters).
+    kubeconfig (static token in group system:masters). :meth:`restart` stops and starts one
+    component in place (the fault tests); ``etcd_url`` is etcd's client URL.
     """
 
     workdir: Path | None = None

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Sized
 
 import pytest
-from faultlib import NS, SEED, Agents, compact_etcd, divergence, endpoint_census, etcd_revision
+from faultlib import NS, SEED, Agents, compact_etcd, divergence, endpoint_census
 from kvb_e2e import Api, OperatorProcess, wait_for
 from sim import SimPod
 
@@ -168,10 +168,9 @@ def test_watch_expired_410_relists_and_forgets_what_was_deleted(
         cluster.restart("kube-apiserver")
         for name in gone:
             load.remove(name)
-        rev = compact_etcd(cluster.etcd_url)
+        compact_etcd(cluster.etcd_url)
     finally:
         operator.resume()
-    assert etcd_revision(cluster.etcd_url) >= rev
     wait_for(lambda: operator.logs().count(RELISTED) > restarts_before,
              timeout=60, what="a watch answered 410 Gone and restarted (operator log)")
     converge(api, "load-e")
@@ -186,6 +185,9 @@ def test_watch_expired_410_relists_and_forgets_what_was_deleted(
 
 def test_apiserver_restart_mid_reconcile(cluster, api: Api, operator: OperatorProcess,
                                          agents: Agents) -> None:  # fmt: skip
+    """kube-apiserver restarted while the operator still has statuses to write, and again
+    right after a KVTransfer deletion (its finalizer must still run). A restarting apiserver
+    answers 404 for custom resources for a moment; kopf alone would stop the operator."""
     load = Load(api, "load-a")
     for role in ("prefill", "prefill", "decode", "decode"):
         load.add(role)
@@ -214,6 +216,7 @@ def test_apiserver_restart_mid_reconcile(cluster, api: Api, operator: OperatorPr
 
 def test_etcd_restart_keeps_data(cluster, api: Api, operator: OperatorProcess,
                                  agents: Agents) -> None:  # fmt: skip
+    """etcd killed (SIGKILL, data directory kept) mid-reconcile and right after a deletion."""
     load = Load(api, "load-b")
     for role in ("prefill", "prefill", "decode", "decode"):
         load.add(role)
@@ -277,7 +280,6 @@ def test_operator_sigkill_between_status_writes(cluster, api: Api, operator: Ope
         # Dead, the operator writes nothing more: what differs now it left undone.
         undone.append(len(divergence(api, NS, "load-c")))
         operator.start()
-    print(f"status differences left at each kill: {undone}")
     assert any(undone), f"no kill landed before the operator had caught up: {undone}"
     converge(api, "load-c")
     converge(api, "kvt")
