@@ -70,13 +70,15 @@ class SimPod:
         host: side-channel bind/advertise address (loopback, or a netns address).
         netns: run the agent inside this network namespace (``ip netns exec``).
         log_dir: where the agent's stderr goes.
+        api_server: the apiserver URL the agent uses (default the cluster's; e.g. a proxy).
     """
 
     def __init__(self, cluster: Any, namespace: str, name: str, *, role: str, engine_id: str,
                  transfer: str = "kvt", preset: str = "grouped", seed: int = 1,
                  sa: str = "kvbridge-agent", host: str = "127.0.0.1",
                  netns: str | None = None, log_dir: Path | None = None,
-                 extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+                 extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
+                 api_server: str = "") -> None:
         from kubernetes import client
 
         self.cluster = cluster
@@ -88,6 +90,7 @@ class SimPod:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.extra_args = list(extra_args)
         self.env = dict(env or {})
+        self.api_server = api_server
         self.proc: subprocess.Popen[str] | None = None
         self.uid = ""
         self.ready: dict[str, Any] = {}
@@ -132,7 +135,8 @@ class SimPod:
             self.create_pod()
         self.starts += 1
         token = pod_bound_token(self.cluster.kubectl, self.namespace, self.sa, self.name)
-        kubeconfig = self.cluster.kubeconfig_for_token(token, f"pod-{self.namespace}-{self.name}")
+        kubeconfig = self.cluster.kubeconfig_for_token(
+            token, f"pod-{self.namespace}-{self.name}", server=self.api_server)
         cmd = [sys.executable, str(POD_AGENT), "--kubeconfig", str(kubeconfig),
                "--transfer", self.transfer, "--role", self.role, "--engine-id", self.engine_id,
                "--preset", self.preset, "--seed", str(self.seed), "--host", self.host,

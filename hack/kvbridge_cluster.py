@@ -139,7 +139,8 @@ class LocalCluster:
     """etcd + kube-apiserver + kube-controller-manager on loopback; see the module docstring.
 
     Use as a context manager or call :meth:`start`/:meth:`stop`. ``kubeconfig`` is an admin
-    kubeconfig (static token in group system:masters).
+    kubeconfig (static token in group system:masters). :meth:`restart` stops and starts one
+    component in place (the fault tests); ``etcd_url`` is etcd's client URL.
     """
 
     workdir: Path | None = None
@@ -164,6 +165,7 @@ class LocalCluster:
             self._owns_workdir = True
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
+        self.etcd_url = ""  # http://127.0.0.1:<client port>, set by start()
         self.server = f"https://{self.address}:{self.port}"
         self.kubeconfig = self.workdir / "admin.kubeconfig"
 
@@ -188,6 +190,7 @@ class LocalCluster:
         logs = wd / "logs"
         logs.mkdir(exist_ok=True)
         etcd_client, etcd_peer = free_port(), free_port()
+        self.etcd_url = f"http://127.0.0.1:{etcd_client}"
         self._spawn(
             "etcd",
             [
@@ -263,12 +266,36 @@ class LocalCluster:
             logs,
         )  # fmt: skip
 
-    def _spawn(self, name: str, cmd: list[str], logs: Path) -> None:
-        out = open(logs / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
+    def _spawn(self, name: str, cmd: list[str], logs: Path, index: int | None = None) -> None:
+        out = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         out.close()
         proc.name = name  # type: ignore[attr-defined]
-        self._procs.append(proc)
+        if index is None:
+            self._procs.append(proc)
+        else:
+            self._procs[index] = proc
+
+    def restart(self, name: str, *, sig: int = signal.SIGTERM, down_s: float = 0.0,
+                timeout: float = 90.0) -> None:
+        """Stop component ``name`` with ``sig`` and start it again with the same flags, ports
+        and data directory (etcd keeps its data); waits until the apiserver is ready again.
+
+        ``down_s`` keeps it stopped that long first (clients see it gone, not just blinking).
+        The log is appended to, so what the old process wrote stays.
+        """
+        names = [getattr(p, "name", "") for p in self._procs]
+        if name not in names:
+            raise ValueError(f"name: expected one of {names}, got {name!r}")
+        index = names.index(name)
+        old = self._procs[index]
+        if old.poll() is None:
+            old.send_signal(sig)
+        terminate(old, timeout=10)
+        time.sleep(down_s)
+        assert self.workdir is not None
+        self._spawn(name, list(old.args), self.workdir / "logs", index)  # type: ignore[arg-type]
+        self._wait_ready(time.monotonic() + timeout)
 
     def _wait_ready(self, deadline: float) -> None:
         ctx = ssl.create_default_context()
@@ -306,14 +333,14 @@ class LocalCluster:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     # -- clients ---------------------------------------------------------------------------
-    def _write_kubeconfig(self, path: Path, token: str, user: str) -> Path:
+    def _write_kubeconfig(self, path: Path, token: str, user: str, server: str = "") -> Path:
         path.write_text(
             f"""apiVersion: v1
 kind: Config
 clusters:
 - name: local
   cluster:
-    server: {self.server}
+    server: {server or self.server}
     certificate-authority: {self.ca_file}
 users:
 - name: {user}
@@ -334,10 +361,12 @@ current-context: {user}@local
         assert self.workdir is not None
         return self.workdir / "pki" / "apiserver.crt"
 
-    def kubeconfig_for_token(self, token: str, name: str) -> Path:
-        """A kubeconfig authenticating with ``token`` (e.g. a ServiceAccount token)."""
+    def kubeconfig_for_token(self, token: str, name: str, server: str = "") -> Path:
+        """A kubeconfig authenticating with ``token`` (e.g. a ServiceAccount token); ``server``
+        overrides the apiserver URL (e.g. a proxy in front of it; TLS is still checked)."""
         assert self.workdir is not None
-        return self._write_kubeconfig(self.workdir / f"{name}.kubeconfig", token, user=name)
+        path = self.workdir / f"{name}.kubeconfig"
+        return self._write_kubeconfig(path, token, user=name, server=server)
 
     def service_account_token(self, namespace: str, name: str, seconds: int = 3600) -> str:
         """A TokenRequest token for an existing ServiceAccount."""

@@ -82,5 +82,26 @@ class Kube:
         or, with ``resource_version``, when it changed since that version."""
         return await self._patch_status(ENDPOINTS, namespace, name, status, resource_version)
 
+    async def endpoint_uids(self, namespace: str) -> set[str]:
+        """UIDs of the KVEndpoints stored in ``namespace`` now (one LIST)."""
+        listed = await self._call(
+            self._api.list_namespaced_custom_object, GROUP, VERSION, namespace, ENDPOINTS
+        )
+        return {item["metadata"]["uid"] for item in listed.get("items") or ()}
+
+    async def endpoint_uid(self, namespace: str, name: str) -> str | None:
+        """UID of the KVEndpoint stored as ``namespace/name`` now; None when there is none."""
+        try:
+            obj = await self._call(
+                self._api.get_namespaced_custom_object, GROUP, VERSION, namespace, ENDPOINTS, name
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise KubeError(
+                f"reading {ENDPOINTS}/{name} in {namespace}: {exc.status} {exc.reason}"
+            ) from exc
+        return str(obj["metadata"]["uid"])
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -10,6 +10,9 @@ Handlers only translate kopf kwargs and call into ``reconciler`` / ``admission``
 - ``release_endpoints``: on KVTransfer deletion (finalizer ``kvbridge.io/finalizer``);
 - ``validate_kvendpoint`` / ``validate_kvtransfer``: admission webhooks;
 - ``configure``: settings (finalizer, kopf's bookkeeping, peering, webhook server, metrics).
+
+Importing this module also makes kopf's watch streams survive a kube-apiserver restart
+(see ``kopf_watch``).
 """
 
 from __future__ import annotations
@@ -19,13 +22,23 @@ from typing import Any
 
 import kopf
 
-from . import admission, metrics, persistence, pod_identity, reconciler, runtime, webhook
+from . import (
+    admission,
+    kopf_watch,
+    metrics,
+    persistence,
+    pod_identity,
+    reconciler,
+    runtime,
+    webhook,
+)
 from .config import ENDPOINTS, FINALIZER, GROUP, TRANSFERS, VERSION
 from .errors import SpecError
 from .kube import Kube
 from .spec import Endpoint, parse_endpoint
 
 log = logging.getLogger("kvbridge.operator")
+kopf_watch.install()
 
 
 @kopf.on.startup()
@@ -102,9 +115,13 @@ async def endpoint_event(
     memo: kopf.Memo,
     **_: Any,
 ) -> None:
-    """Wake the endpoint's KVTransfer loop; with no such KVTransfer, say so on the endpoint."""
+    """Wake the endpoint's KVTransfer loop; with no such KVTransfer, say so on the endpoint.
+    A listed endpoint (type None: startup, or a relist after 410 Gone) makes every loop look
+    for endpoints deleted while the watch was down (see reconciler)."""
     rt = runtime.from_memo(memo)
     transfer = spec.get("transferName")
+    if type is None:
+        rt.loops.relisted()
     rt.loops.wake(namespace, transfer)
     if type == "DELETED" or (namespace, transfer) in transfers:
         return
@@ -165,7 +182,8 @@ async def plan_transfer(
 async def release_endpoints(
     name: str, namespace: str, endpoints_by_transfer: kopf.Index, memo: kopf.Memo, **_: Any
 ) -> None:
-    """Withdraw peers from the endpoints of a deleted KVTransfer."""
+    """Withdraw peers from the endpoints of a deleted KVTransfer (best effort, bounded: see
+    :func:`reconciler.release`), so the finalizer is always released."""
     await reconciler.release(
         namespace, name, _endpoints(endpoints_by_transfer, namespace, name),
         runtime.from_memo(memo).kube,

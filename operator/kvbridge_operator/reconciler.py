@@ -6,9 +6,15 @@ State machine per KVTransfer (one asyncio task, the kopf daemon):
 
 :meth:`PlanningLoops.wake` is called from kopf event handlers on the same event loop; it only
 sets an ``asyncio.Event``. The loop reads the endpoints from kopf's in-memory index (fed by
-the same watch stream), so a burst of changes is coalesced into one plan. Writes are merge patches
-sent only when the computed status differs from what is stored (or was last written and not
+the same watch stream), so a burst of changes is coalesced into one plan. Writes are merge
+patches sent only when the computed status differs from what is stored (or was last written and not
 yet seen back), so a restarted operator, which recomputes the same plan, writes nothing.
+
+Ghosts: when a watch expires (410 Gone) kopf lists again; the listing brings every object that
+exists but says nothing of those deleted while the watch was down, and kopf's index keeps
+them. So after every listing (:meth:`PlanningLoops.relisted`), at a loop's start and every
+resync interval, the loop compares the index with the stored KVEndpoints
+(:func:`find_ghosts`) and plans without the ones that are gone.
 """
 
 from __future__ import annotations
@@ -38,6 +44,18 @@ class WriteMemory:
 
     transfer: dict[str, Any] | None = None
     endpoints: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    #: UIDs of index entries that are no longer stored (see the module docstring).
+    ghosts: set[str] = field(default_factory=set)
+    #: listings seen and the monotonic time at the last ghost check (None: never checked).
+    checked: tuple[int, float] | None = None
+
+    def check_due(self, listings: int, resync: float) -> bool:
+        """Whether to look for ghosts: never looked, kopf listed again since (``listings``
+        is :attr:`PlanningLoops.listings`), or a resync interval passed."""
+        if self.checked is None:
+            return True
+        seen, when = self.checked
+        return seen != listings or time.monotonic() - when >= resync
 
 
 @dataclass
@@ -47,6 +65,8 @@ class PlanningLoops:
 
     events: dict[LoopKey, asyncio.Event] = field(default_factory=dict)
     memories: dict[LoopKey, WriteMemory] = field(default_factory=dict)
+    #: KVEndpoint listing events kopf delivered (see :meth:`relisted`)
+    listings: int = 0
 
     def wake(self, namespace: str | None, transfer: str | None) -> None:
         """Ask the loop of KVTransfer ``namespace/transfer`` to re-plan soon (no-op if none)."""
@@ -58,6 +78,12 @@ class PlanningLoops:
         """Ask every loop to re-plan soon (e.g. a node's topology label changed)."""
         for event in self.events.values():
             event.set()
+
+    def relisted(self) -> None:
+        """kopf delivered a KVEndpoint from a listing (event type None: at startup, or after
+        an expired watch): every loop looks for ghosts before its next plan."""
+        self.listings += 1
+        self.wake_all()
 
     def tracked(self) -> dict[str, int]:
         """Sizes of the bookkeeping: loops, and statuses remembered as written (one per live
@@ -97,13 +123,18 @@ async def run(
     ``stopped`` (kopf's daemon flag) is set."""
     key = (ctx.namespace, ctx.name)
     event = loops.events[key] = asyncio.Event()
-    loops.memories[key] = ctx.memory
+    memory = loops.memories[key] = ctx.memory
     settings = ctx.settings
     try:
         while not stopped:
             event.clear()
             try:
-                await reconcile(ctx, body, list(endpoints()), nodes())
+                current = list(endpoints())
+                if memory.check_due(loops.listings, settings.resync):
+                    memory.checked = (loops.listings, time.monotonic())
+                    await _check_ghosts(ctx, current)
+                current = [e for e in current if e.uid not in memory.ghosts]
+                await reconcile(ctx, body, current, nodes())
             except Exception:
                 metrics.RECONCILES.labels("error").inc()
                 log.exception("planning KVTransfer %s/%s failed; retrying", *key)
@@ -117,6 +148,37 @@ async def run(
             del loops.events[key]
         if loops.memories.get(key) is ctx.memory:
             del loops.memories[key]
+
+
+async def find_ghosts(namespace: str, endpoints: Iterable[Endpoint], kube: Kube) -> set[str]:
+    """UIDs of ``endpoints`` (kopf's index) that are no longer stored: one LIST of the
+    namespace, then a GET of each endpoint missing from it (it may be newer than the LIST)."""
+    endpoints = list(endpoints)
+    if not endpoints:
+        return set()
+    stored = await kube.endpoint_uids(namespace)
+    return {
+        e.uid
+        for e in endpoints
+        if e.uid not in stored and await kube.endpoint_uid(namespace, e.name) != e.uid
+    }
+
+
+async def _check_ghosts(ctx: Context, endpoints: list[Endpoint]) -> None:
+    namespace, name, kube, memory = ctx.namespace, ctx.name, ctx.kube, ctx.memory
+    indexed = {e.uid for e in endpoints}
+    memory.ghosts &= indexed  # kopf's index keeps a ghost as long as the operator runs
+    new = await find_ghosts(namespace, (e for e in endpoints if e.uid not in memory.ghosts), kube)
+    if new:
+        names = sorted(e.name for e in endpoints if e.uid in new)
+        log.warning(
+            "KVTransfer %s/%s: KVEndpoint(s) %s were deleted while the watch was down "
+            "(kopf's index still holds them); planning without them",
+            namespace,
+            name,
+            ", ".join(names),
+        )
+        memory.ghosts |= new
 
 
 async def _wait_change(event: asyncio.Event, stopped: Any, timeout: float) -> None:
@@ -210,7 +272,7 @@ def _with_removals(stored: Mapping[str, Any], new: dict[str, Any]) -> dict[str, 
 
 
 #: Attempts and pauses of the release writes before the finalizer is let go anyway.
-RELEASE_RETRY_DELAYS = (0.5, 1.0, 2.0)
+RELEASE_RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0)
 
 
 async def release(namespace: str, name: str, endpoints: Iterable[Endpoint], kube: Kube,

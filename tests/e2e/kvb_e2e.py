@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -86,11 +87,15 @@ class OperatorProcess:
             if self.proc is not None and self.proc.poll() is not None:
                 raise AssertionError(f"operator exited:\n{self.log()[-4000:]}")
             try:
-                return http_get(self.liveness_url)[0] == 200
+                if http_get(self.liveness_url)[0] != 200:
+                    return False
+                if "webhook" in self.ports:  # served a moment after liveness
+                    socket.create_connection(("127.0.0.1", self.ports["webhook"]), 1).close()
+                return True
             except OSError:
                 return False
 
-        wait_for(alive, timeout=timeout, what="operator liveness")
+        wait_for(alive, timeout=timeout, what="operator liveness (and webhook)")
 
     def stop(self) -> None:
         if self.proc is None:
@@ -104,8 +109,29 @@ class OperatorProcess:
                 self.proc.wait(timeout=5)
         self.proc = None
 
+    def kill(self) -> None:
+        """SIGKILL: the operator dies wherever it is (no cleanup handlers run)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP: frozen, its connections open but unread (a long GC pause, a stalled node)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def logs(self) -> str:
+        """The logs of every start so far, in order."""
+        paths = (self.workdir / f"operator-{i}.log" for i in range(1, self.starts + 1))
+        return "".join(p.read_text(errors="replace") for p in paths if p.exists())
 
     def metric(self, name: str) -> float:
         """Sum of all samples of a metric family line prefix (e.g. kvbridge_reconciles_total)."""
@@ -120,11 +146,13 @@ class OperatorProcess:
 OPERATOR_NS, OPERATOR_SA = "kvbridge-system", "kvbridge-operator"
 
 
-def deploy_operator(cluster: Any, workdir: Path, env: dict[str, str]) -> OperatorProcess:
+def deploy_operator(cluster: Any, workdir: Path, env: dict[str, str] | None = None, *,
+                    extra_args: Iterable[str] = ()) -> OperatorProcess:  # fmt: skip
     """Install the operator as in production on ``cluster`` (a LocalCluster): its
     ServiceAccount bound to hack/operator-rbac.yaml only, kopf peering, the admission webhook
-    over loopback TLS; start it (``env`` adds KVBRIDGE_* settings) and register the webhook.
-    Shared by the e2e session fixture and the benchmarks; the caller stops it."""
+    over loopback TLS; start it (``env`` adds KVBRIDGE_* settings, ``extra_args`` kopf run
+    options) and register the webhook. Shared by the e2e and fault fixtures and the
+    benchmarks; the caller stops it."""
     import kvbridge_cluster as kc
 
     from kvbridge_operator.webhook import self_signed_certificate, webhook_configuration
@@ -149,9 +177,10 @@ def deploy_operator(cluster: Any, workdir: Path, env: dict[str, str]) -> Operato
         "KVBRIDGE_WEBHOOK_HOST": "127.0.0.1",
         "KVBRIDGE_WEBHOOK_CERT": str(cert),
         "KVBRIDGE_WEBHOOK_KEY": str(key),
-        **env,
+        **(env or {}),
     }
     op = OperatorProcess(kubeconfig, workdir, settings, ports)
+    op.extra_args = list(extra_args)
     op.start()
     vwc = webhook_configuration(
         "kvbridge-validation", Path(cert).read_bytes(), url=f"https://127.0.0.1:{ports['webhook']}"

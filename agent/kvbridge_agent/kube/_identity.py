@@ -45,14 +45,20 @@ class PodIdentity:
 
 def api_client(kubeconfig: str | None = None) -> Any:
     """An official-client ``ApiClient``: from ``kubeconfig`` / ``$KUBECONFIG`` when given,
-    else the pod's in-cluster ServiceAccount token."""
-    from kubernetes import config
+    else the pod's in-cluster ServiceAccount token.
 
-    path = kubeconfig or os.environ.get("KUBECONFIG")
-    if path:
-        return config.new_client_from_config(config_file=path)
-    from kubernetes import client
+    A request whose answer timed out is not sent again (urllib3 would, three times): the sync
+    loop's next round is the retry, and with urllib3's a partitioned agent spent four request
+    timeouts (40 s) in one round. Failed connection attempts are still retried.
+    """
+    from kubernetes import client, config
+    from urllib3.util.retry import Retry
 
     cfg = client.Configuration()
-    config.load_incluster_config(client_configuration=cfg)
+    cfg.retries = Retry(total=3, read=0)
+    path = kubeconfig or os.environ.get("KUBECONFIG")
+    if path:
+        config.load_kube_config(config_file=path, client_configuration=cfg)
+    else:
+        config.load_incluster_config(client_configuration=cfg)
     return client.ApiClient(cfg)

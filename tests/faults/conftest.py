@@ -1,0 +1,76 @@
+"""Fault-test fixtures: a control plane and an operator of their OWN per module (the tests
+restart etcd and kube-apiserver and kill the operator, which would disturb the shared e2e
+session), one namespace with real agents: prefill ``p-0`` and decode ``d-0``, the decode one
+talking to the apiserver through a :class:`faultlib.TcpProxy` that a test can cut.
+
+Missing binaries FAIL the module (CI must run these): ``bash hack/test-stack.sh ensure``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from urllib.parse import urlparse
+
+import kvbridge_cluster as kc
+import pytest
+from faultlib import NS, Agents, TcpProxy
+from kvb_e2e import REPO, Api, OperatorProcess, deploy_operator, wait_for
+from sim import create_agent_rbac, handshakes_ok
+
+NODES = {"node-a": {"topology.kubernetes.io/zone": "zone-a"}}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kc.LocalCluster]:
+    try:
+        binaries = kc.Binaries.find()
+    except kc.StackMissingError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    work = tmp_path_factory.mktemp("faults-cluster")
+    with kc.LocalCluster(workdir=work, binaries=binaries) as c:
+        c.kubectl("apply", "-f", str(REPO / "crds"))
+        c.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+        with kc.FakeKubelet(c.api_client(), NODES):
+            yield c
+
+
+@pytest.fixture(scope="module")
+def api(cluster: kc.LocalCluster) -> Api:
+    return Api(cluster.api_client())
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: kc.LocalCluster, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[OperatorProcess]:  # fmt: skip
+    """kopf at debug level: its watch restarts (410 Gone) are logged only there. ``POD_ID``
+    is kopf's peering identity, as the chart sets it: a restart of the process is a container
+    restart in the same pod. (A new identity would find its SIGKILLed predecessor's fresh
+    peering record and pause, as kopf does for peers of equal priority, until it expires.)
+    A debounce of 0.3 s (0.2 s by default) leaves the SIGKILL test a window to land in."""
+    op = deploy_operator(cluster, tmp_path_factory.mktemp("faults-operator"),
+                         {"POD_ID": "kvbridge-operator-faults", "KVBRIDGE_DEBOUNCE": "0.3"},
+                         extra_args=["--debug"])  # fmt: skip
+    try:
+        yield op
+    finally:
+        if op.proc is not None:
+            op.resume()  # a test may fail while it is frozen
+        op.stop()
+
+
+@pytest.fixture(scope="module")
+def agents(cluster: kc.LocalCluster, api: Api, operator: OperatorProcess) -> Iterator[Agents]:
+    api.core.create_namespace({"metadata": {"name": NS}})
+    create_agent_rbac(cluster.api_client(), NS)
+    api.create_transfer(NS, pairing={"prefillPerDecode": 2})
+    url = urlparse(cluster.server)
+    made = Agents(cluster, TcpProxy(url.hostname or "127.0.0.1", url.port or 443))
+    try:
+        p = made.start("p-0", "prefill", "P0")
+        d = made.start("d-0", "decode", "D0", api_server=made.proxy.url)
+        wait_for(lambda: handshakes_ok(d) and handshakes_ok(p), timeout=90, what="preflight")
+        yield made
+    finally:
+        for pod in made.pods.values():
+            pod.close()
+        made.proxy.close()
