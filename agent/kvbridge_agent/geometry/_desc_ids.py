@@ -25,6 +25,8 @@ __all__ = ["DescIdLayout", "compute_desc_ids"]
 _VECTOR_GROUPS = 4
 # Group ids index kv_cache_config.transfer_groups; anything this large is corrupt metadata.
 _MAX_GROUPS = 1 << 16
+#: "smallest capacity" of a group no region belongs to (it is refused before use)
+_NO_CAPACITY = np.iinfo(np.int64).max
 _U64 = np.dtype(np.uint64)
 _max = np.maximum.reduce
 
@@ -86,6 +88,7 @@ class DescIdLayout:
 
     __slots__ = (
         "_min_cap",
+        "_n_groups",
         "_slot_plan",
         "_tables",
         "_targets",
@@ -117,6 +120,7 @@ class DescIdLayout:
         _set(self, "block_size_ratio", block_size_ratio)
         _set(self, "region_names", tuple(region_names) if region_names is not None else None)
         _set(self, "_min_cap", int(caps.min()) if caps.size else 0)
+        _set(self, "_n_groups", int(gids.max()) + 1 if gids.size else 0)
 
         _set(self, "_tables", None)  # group tables, built on the first group-mapped call
         _set(self, "_targets", {})  # group -> target regions, filled on first use
@@ -165,7 +169,7 @@ class DescIdLayout:
 
     def targets(self, group: int) -> np.ndarray:
         """Regions that group ``group``'s ids go to on the group-mapped path, ascending."""
-        slot = min(group, self._group_tables()[0])
+        slot = min(group, self._n_groups)
         t = self._targets.get(slot)
         if t is None:
             t = _readonly(np.flatnonzero((self.group_ids == slot) | (self.group_ids == -1)))
@@ -212,13 +216,12 @@ class DescIdLayout:
 
     def _slot(self, group: int) -> tuple[int, int, np.ndarray]:
         """(number of target regions, their smallest capacity, their offsets) of a group."""
-        n_groups = self._group_tables()[0]
-        slot = min(group, n_groups)
+        slot = min(group, self._n_groups)
         entry = self._slot_plan.get(slot)
-        if entry is None:
-            _, n_targets, group_min, _ = self._group_tables()
+        if entry is None:   # from this group's targets alone: a one-shot call builds no tables
             targets = self.targets(group)
-            entry = (int(n_targets[slot]), int(group_min[slot]), _readonly(self.offsets[targets]))
+            smallest = int(self.capacities[targets].min()) if targets.size else _NO_CAPACITY
+            entry = (int(targets.size), smallest, _readonly(self.offsets[targets]))
             self._slot_plan[slot] = entry
         return entry
 
