@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import kvbridge_cluster as kc
 import pytest
-from kvb_e2e import REPO, Api, OperatorProcess, deploy_operator, wait_for
+from kvb_e2e import Api, OperatorProcess, crd_cluster, deploy_operator, wait_for
 
 from kvbridge_operator.config import TRANSFERS
 
@@ -24,15 +24,8 @@ NODES = {
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[kc.LocalCluster]:
-    try:
-        binaries = kc.Binaries.find()
-    except kc.StackMissingError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    with kc.LocalCluster(binaries=binaries) as c:
-        c.kubectl("apply", "-f", str(REPO / "crds"))
-        c.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
-        with kc.FakeKubelet(c.api_client(), NODES):
-            yield c
+    with crd_cluster(NODES) as c:
+        yield c
 
 
 @pytest.fixture(scope="session")

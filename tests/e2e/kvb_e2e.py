@@ -7,6 +7,7 @@ to ``hack/operator-rbac.yaml`` only, serving the admission webhook over loopback
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -144,6 +145,26 @@ class OperatorProcess:
 
 
 OPERATOR_NS, OPERATOR_SA = "kvbridge-system", "kvbridge-operator"
+
+
+@contextlib.contextmanager
+def crd_cluster(nodes: Mapping[str, Mapping[str, str]], workdir: Path | None = None
+                ) -> Iterator[Any]:  # fmt: skip
+    """A LocalCluster with kvbridge's CRDs established and fake ``nodes``, stopped after use.
+    Missing binaries FAIL (CI must run these tests): ``bash hack/test-stack.sh ensure``."""
+    import kvbridge_cluster as kc
+    import pytest
+
+    try:
+        binaries = kc.Binaries.find()
+    except kc.StackMissingError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    kw = {"workdir": workdir} if workdir is not None else {}
+    with kc.LocalCluster(binaries=binaries, **kw) as c:
+        c.kubectl("apply", "-f", str(REPO / "crds"))
+        c.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+        with kc.FakeKubelet(c.api_client(), nodes):
+            yield c
 
 
 def deploy_operator(cluster: Any, workdir: Path, env: dict[str, str] | None = None, *,

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 import kvbridge_cluster as kc
 import pytest
 from faultlib import NS, Agents, TcpProxy
-from kvb_e2e import REPO, Api, OperatorProcess, deploy_operator, wait_for
+from kvb_e2e import Api, OperatorProcess, crd_cluster, deploy_operator, wait_for
 from sim import create_agent_rbac, handshakes_ok
 
 NODES = {"node-a": {"topology.kubernetes.io/zone": "zone-a"}}
@@ -22,16 +22,8 @@ NODES = {"node-a": {"topology.kubernetes.io/zone": "zone-a"}}
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kc.LocalCluster]:
-    try:
-        binaries = kc.Binaries.find()
-    except kc.StackMissingError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    work = tmp_path_factory.mktemp("faults-cluster")
-    with kc.LocalCluster(workdir=work, binaries=binaries) as c:
-        c.kubectl("apply", "-f", str(REPO / "crds"))
-        c.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
-        with kc.FakeKubelet(c.api_client(), NODES):
-            yield c
+    with crd_cluster(NODES, tmp_path_factory.mktemp("faults-cluster")) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
