@@ -57,12 +57,16 @@ def _requests(draw):
     ppl = draw(st.sampled_from([1, 1, 2]))
     local_ppl = draw(st.sampled_from([1, ppl]))
     limit = min(caps) // max(ppl, local_ppl) + 2       # + 2: some ids out of range
+    ids = st.integers(-1, limit)                       # -1: negative ids are refused too
     lids, rids = [], []
     for _ in range(groups):
         n_remote = draw(st.integers(0, 5))
         n_local = draw(st.integers(0, n_remote + 1))      # + 1: sometimes longer than P's
-        rids.append(draw(st.lists(st.integers(0, limit), min_size=n_remote, max_size=n_remote)))
-        lids.append(draw(st.lists(st.integers(0, limit), min_size=n_local, max_size=n_local)))
+        rids.append(draw(st.lists(ids, min_size=n_remote, max_size=n_remote)))
+        lids.append(draw(st.lists(ids, min_size=n_local, max_size=n_local)))
+    if draw(st.booleans()):      # vLLM hands lists; other callers numpy arrays
+        lids = [np.array(g, dtype=np.int64) for g in lids]
+        rids = [np.array(g, dtype=np.int64) for g in rids]
     return group_ids, caps, ppl, local_ppl, lids, rids
 
 
@@ -102,6 +106,17 @@ def test_route_defers_what_it_does_not_plan():
     assert route.read_ids([[1, 2]], [[3, 4], [5]]) is None          # group counts differ
     assert route.read_ids([[1.0]], [[2.0]]) is None                 # not integers
     assert route.read_ids([[1, 2, 3], []], [[4, 5], []]) is None     # D longer than P
+    one = _route(_plan([0, 0], [8, 8]), _remote([0, 0], [8, 8], 1), 1)   # the one-group path
+    for lids, rids in [([1.0], [2]), ([True], [1]), (["1"], [2]), ([1], [[2]]), ([1, 2], [3])]:
+        for kind in (list, np.array):                                  # not ids, D longer
+            assert one.read_ids([kind(lids)], [kind(rids)]) is None, (lids, rids, kind)
+    for lids, rids in [([-1], [2]), ([8], [2]), ([1], [8]), ([1], [-1])]:
+        for kind in (list, np.array):                                  # out of range
+            with pytest.raises(geo.BlockIdRangeError):
+                one.read_ids([kind(lids)], [kind(rids)])
+    lids, rids, nbytes = one.read_ids([[1, 2]], [[0, 3, 4]])          # the last of P's pages
+    assert lids.tolist() == [1, 2, 9, 10] and rids.tolist() == [3, 4, 11, 12]
+    assert lids.dtype == rids.dtype == np.int32 and nbytes == 2 * (64 + 128)
     lids, rids, nbytes = route.read_ids([[1, 2], [3]], [[4, 5, 6], [7]])
     assert lids.tolist() == [1, 2, 11] and rids.tolist() == [5, 6, 15]
     assert nbytes == 2 * 64 + 128

@@ -167,3 +167,46 @@ def test_a_planning_loop_tracks_its_endpoints_and_forgets_them_when_it_ends() ->
     assert during == {"planning_loops": 1, "written_endpoint_statuses": 2,
                       "written_transfer_statuses": 1}
     assert loops.tracked() == dict.fromkeys(during, 0)
+
+
+def test_transfers_are_counted_by_the_time_anyone_reads() -> None:
+    """The engine's step only appends to the tally; a read of the registry (a scrape, value())
+    folds it first, and a long backlog folds itself."""
+    names = ("kvbridge_agent_transfer_bytes_total", "kvbridge_agent_transfer_descriptors_total",
+             "kvbridge_agent_transfer_seconds_count", "kvbridge_agent_transfer_seconds_sum")
+    before = [agent_metrics.value(n) for n in names]
+    agent_metrics.TALLY.add(4096, 2, 0.25)
+    agent_metrics.TALLY.add(8192, 4, 0.5)
+    after = [agent_metrics.value(n) for n in names]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [12288, 6, 2, 0.75]
+    bucket = agent_metrics.value("kvbridge_agent_transfer_seconds_bucket", le="0.25")
+    assert bucket >= 1
+
+    fold_at = agent_metrics.TALLY.FOLD_AT      # never scraped: the backlog stays bounded
+    raw = agent_metrics.TRANSFER_BYTES._value.get()
+    for _ in range(fold_at - 1):
+        agent_metrics.TALLY.add(1, 1, 0.001)
+    assert agent_metrics.TRANSFER_BYTES._value.get() == raw          # still in the backlog
+    agent_metrics.TALLY.add(1, 1, 0.001)
+    assert agent_metrics.TRANSFER_BYTES._value.get() == raw + fold_at  # folded by the add
+
+
+def test_the_tally_loses_nothing_to_a_concurrent_scrape() -> None:
+    import threading
+
+    start = agent_metrics.value("kvbridge_agent_transfer_seconds_count")
+    stop = threading.Event()
+
+    def scrape() -> None:
+        while not stop.is_set():
+            agent_metrics.value("kvbridge_agent_transfer_bytes_total")
+
+    scraper = threading.Thread(target=scrape)
+    scraper.start()
+    try:
+        for _ in range(20_000):
+            agent_metrics.TALLY.add(1, 1, 0.001)
+    finally:
+        stop.set()
+        scraper.join()
+    assert agent_metrics.value("kvbridge_agent_transfer_seconds_count") - start == 20_000

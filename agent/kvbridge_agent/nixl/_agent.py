@@ -89,7 +89,7 @@ class DList:
         return int(self.table.shape[0])
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class XferHandle:
     """One NIXL transfer request (a prepared READ/WRITE), plus what it moves."""
 
@@ -99,6 +99,24 @@ class XferHandle:
     num_descs: int
     nbytes: int
     released: bool = False
+
+
+_I32 = np.dtype(np.int32)
+_STATES = {"DONE": XferState.DONE, "PROC": XferState.IN_PROGRESS}
+
+
+def _index_array(ids: np.ndarray) -> np.ndarray:
+    """``ids`` as NIXL takes them: a contiguous int32 array passes as is (NIXL's own index
+    type, no conversion); anything else goes as int64 and NIXL converts it, never
+    narrowed here, where an id past int32 would silently wrap."""
+    if type(ids) is np.ndarray and ids.dtype is _I32 and ids.flags.c_contiguous:
+        return ids
+    return np.ascontiguousarray(ids, dtype=np.int64)
+
+
+def _bad_state(status: str, what: str, x: XferHandle) -> XferState:
+    raise NixlCallError(f"{what}({x.label}): NIXL reported state {status!r}",
+                        FailureCause.TRANSFER)
 
 
 class _Detail:
@@ -130,9 +148,15 @@ class _nixl_call:
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
         if exc is None or isinstance(exc, DataPlaneError) or not isinstance(exc, Exception):
             return False
-        cause = classify(exc, default=self.default)
-        what = self.what if self.detail is None else f"{self.what}({self.detail})"
-        raise NixlCallError(f"{what}: {type(exc).__name__}: {exc}", cause) from exc
+        raise _call_error(exc, self.what, self.default, self.detail) from exc
+
+
+def _call_error(exc: BaseException, what: str, default: FailureCause, detail: object = None
+                ) -> NixlCallError:
+    """The typed error for ``exc`` raised by the NIXL call ``what`` (the per-transfer calls
+    use it from a plain ``except``: no context object on their path)."""
+    what = what if detail is None else f"{what}({detail})"
+    return NixlCallError(f"{what}: {type(exc).__name__}: {exc}", classify(exc, default=default))
 
 
 class NixlAgent:
@@ -314,13 +338,16 @@ class NixlAgent:
         """Create a transfer from two prepared lists and positional index arrays
         (``nbytes``: what they move, when the caller knows it; else summed here)."""
         self._check_open()
-        lid = np.ascontiguousarray(local_ids, dtype=np.int64)
-        rid = np.ascontiguousarray(remote_ids, dtype=np.int64)
+        lid = _index_array(local_ids)
+        rid = _index_array(remote_ids)
         if nbytes is None:
             in_range = lid.size and int(lid.min()) >= 0 and int(lid.max()) < local.size
             nbytes = int(local.table[lid, 1].sum()) if in_range else 0
-        with _nixl_call("make_prepped_xfer", FailureCause.SETUP, _Detail(op, label, lid.size)):
+        try:
             h = self._agent.make_prepped_xfer(op, local.handle, lid, remote.handle, rid, notif)
+        except Exception as exc:
+            raise _call_error(exc, "make_prepped_xfer", FailureCause.SETUP,
+                              _Detail(op, label, lid.size)) from exc
         x = XferHandle(h, label or op, remote.peer, int(lid.size), nbytes)
         self._xfers.append(x)
         return x
@@ -350,38 +377,38 @@ class NixlAgent:
         self._xfers.append(x)
         return x
 
-    @staticmethod
-    def _state(status: str, what: str, x: XferHandle) -> XferState:
-        if status == "DONE":
-            return XferState.DONE
-        if status == "PROC":
-            return XferState.IN_PROGRESS
-        raise NixlCallError(f"{what}({x.label}): NIXL reported state {status!r}",
-                            FailureCause.TRANSFER)
-
     def post(self, x: XferHandle, notif: bytes = b"") -> XferState:
         """Post a transfer. With CMA on one host the copy happens inside this call."""
-        with _nixl_call("transfer", FailureCause.TRANSFER, x.label):
+        try:
             status = self._agent.transfer(x.handle, notif) if notif else self._agent.transfer(
                 x.handle)
-        return self._state(status, "transfer", x)
+        except Exception as exc:
+            raise _call_error(exc, "transfer", FailureCause.TRANSFER, x.label) from exc
+        return _STATES.get(status) or _bad_state(status, "transfer", x)
 
     def state(self, x: XferHandle) -> XferState:
         """Poll a posted transfer. Raises NixlCallError on failure (never returns 'ERR')."""
-        with _nixl_call("check_xfer_state", FailureCause.TRANSFER, x.label):
+        try:
             status = self._agent.check_xfer_state(x.handle)
-        return self._state(status, "check_xfer_state", x)
+        except Exception as exc:
+            raise _call_error(exc, "check_xfer_state", FailureCause.TRANSFER, x.label) from exc
+        return _STATES.get(status) or _bad_state(status, "check_xfer_state", x)
 
     def release(self, x: XferHandle) -> None:
         """Release a transfer (cancels it if in flight). Idempotent; raises if NIXL refuses,
         in which case the handle stays owned and must be kept (its DMA may still run)."""
         if x.released:
             return
-        with _nixl_call("release", FailureCause.TRANSFER, x.label):
+        try:
             x.handle.release()
+        except Exception as exc:
+            raise _call_error(exc, "release", FailureCause.TRANSFER, x.label) from exc
         x.released = True
-        if x in self._xfers:
-            self._xfers.remove(x)
+        xfers = self._xfers
+        if xfers and xfers[-1] is x:      # the usual case: the newest transfer ends first
+            xfers.pop()
+        elif x in xfers:
+            xfers.remove(x)
 
     def telemetry(self, x: XferHandle) -> Any:
         with _nixl_call("get_xfer_telemetry", FailureCause.TRANSFER):

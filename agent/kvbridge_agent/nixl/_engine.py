@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Self
+from typing import Any, Protocol, Self, TypeVar
 
 from .. import geometry as geo
 from ._errors import FailureCause, RemoteNotFoundError, UnsupportedTransferError
@@ -36,6 +36,19 @@ class PollResult:
 _NOTHING = PollResult()
 
 
+class _Request(Protocol):
+    """What :meth:`TransferEngine._track` reads of a pull or push request."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def timeout_s(self) -> float | None: ...
+
+
+R = TypeVar("R", bound=_Request)
+
+
 class TransferEngine:
     """Base of :class:`PullEngine` and :class:`PushEngine`: requests are started by the
     subclass, then advanced by :meth:`poll` or :meth:`wait`, each reported exactly once."""
@@ -57,19 +70,18 @@ class TransferEngine:
         self.peers = RemotePeers(self.agent)
         self._transfers = Transfers(self.agent, clock=clock, on_terminal=on_terminal)
 
-    def _track(
-        self, request_id: str, timeout_s: float | None, post: Callable[[object], None], what: str
-    ) -> None:
-        """Track ``request_id`` and run ``post(tracked)``; a setup error becomes the request's
-        typed failure (reported by :meth:`poll`/:meth:`wait`), never an exception here.
+    def _track(self, req: R, start: Callable[[R, Any], None], what: str) -> None:
+        """Track ``req`` (a request with ``request_id`` and ``timeout_s``) and run
+        ``start(req, tracked)``; a setup error becomes the request's typed failure (reported
+        by :meth:`poll`/:meth:`wait`), never an exception here.
 
         Raises:
-            ValueError: ``request_id`` is already in flight.
+            ValueError: ``req.request_id`` is already in flight.
         """
-        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
-        tracked = self._transfers.begin(request_id, self._clock() + timeout)
+        timeout = self.timeout_s if req.timeout_s is None else float(req.timeout_s)
+        tracked = self._transfers.begin(req.request_id, self._clock() + timeout)
         try:
-            post(tracked)
+            start(req, tracked)
         except geo.GeometryError as exc:
             self._transfers.fail(tracked, FailureCause.INVALID_REQUEST, str(exc), exc)
         except RemoteNotFoundError as exc:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -65,9 +65,9 @@ log = logging.getLogger(__name__)
 DEFAULT_COALESCE = False
 
 
-@dataclass(frozen=True)
-class PullRequest:
-    """One request to read from a remote engine.
+class PullRequest(NamedTuple):
+    """One request to read from a remote engine (a NamedTuple: immutable, and built once per
+    request at a fraction of a frozen dataclass's cost).
 
     Attributes:
         request_id: this engine's id for the request (results are keyed by it).
@@ -198,12 +198,12 @@ class PullEngine(TransferEngine):
         Raises:
             ValueError: ``req.request_id`` is already in flight.
         """
-        self._track(req.request_id, req.timeout_s, lambda t: self._start(req, t), "read")
+        self._track(req, self._start, "read")
 
     def _start(self, req: PullRequest, tracked: object) -> None:
-        self._notif_ids[req.request_id] = req.notif_id
         if not self.coalesce and self._start_routed(req, tracked):
             return
+        self._notif_ids[req.request_id] = req.notif_id
         local = self.local
         any_peer = self.peers.any_rank(req.remote_engine_id)
         mapping = self._tp_mapping(any_peer.desc.tp_size)
@@ -262,22 +262,24 @@ class PullEngine(TransferEngine):
         for peer in notify_only:
             self._transfers.defer_notif(tracked, peer.agent_name, message)
 
-    def _start_routed(self, req: PullRequest, tracked: object) -> bool:
+    def _start_routed(self, req: PullRequest, tracked: Any) -> bool:
         """Post ``req`` as one READ over its engine's cached route; False (nothing done)
-        when the request needs the general planner."""
+        when the request needs the general planner (a full prefix hit among them)."""
         route = self._route(req.remote_engine_id)
-        if route is None or not any(len(g) for g in req.local_block_ids):
+        if route is None:
             return False
         ids = route.read_ids(req.local_block_ids, req.remote_block_ids)
-        if ids is None:
+        if ids is None or not ids[0].size:
             return False
         notif_id = req.notif_id
-        self.heartbeats.track(route.agent_name, notif_id)
         message = completion_message(notif_id, route.local_consumers)
         x = self.agent.make_prepped("READ", route.local_list, ids[0], route.remote_list, ids[1],
                                     notif=message, label=f"{req.request_id} {route.label}",
                                     nbytes=ids[2])
         self._transfers.post(tracked, x, message, attached=True)
+        if tracked.inflight:     # heartbeat it to the producer until it is done
+            self._notif_ids[req.request_id] = notif_id
+            self.heartbeats.track(route.agent_name, notif_id)
         return True
 
     def _tp_mapping(self, remote_tp: int) -> geo.TPMapping:

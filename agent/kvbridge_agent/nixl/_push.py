@@ -84,7 +84,7 @@ class PushEngine(TransferEngine):
 
     def start(self, req: PushRequest) -> None:
         """Post the WRITEs of ``req``; failures are reported by poll()/wait()."""
-        self._track(req.request_id, req.timeout_s, lambda t: self._start(req, t), "write")
+        self._track(req, self._start, "write")
 
     def _targets(self, engine_id: str) -> tuple[list, int]:
         facts = self.local.facts

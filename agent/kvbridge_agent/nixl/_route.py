@@ -74,8 +74,11 @@ class ReadRoute:
                 or ro.block_size_ratio not in (None, 1)
                 or not lo.capacities.size or not ro.capacities.size):
             return
+        lcap, rcap = int(lo.capacities.min()), int(ro.capacities.min())
+        if max(int(lo.offsets.max()) + lcap, int(ro.offsets.max()) + rcap) >= 2**31:
+            return                                  # ids past NIXL's int32 index
         object.__setattr__(self, "_one_group", (
-            lo.offsets, ro.offsets, int(lo.capacities.min()), int(ro.capacities.min()),
+            lo.offsets.astype(_I32), ro.offsets.astype(_I32), lcap, rcap,
             int(self.block_lens.sum())))
 
     def id_bytes(self, group: int) -> int:
@@ -125,25 +128,42 @@ class ReadRoute:
 
     def _one_group_ids(self, lg: Sequence[int], rg: Sequence[int]
                        ) -> tuple[np.ndarray, np.ndarray, int] | None:
-        """:meth:`read_ids` for one group at ppl 1 in a few numpy calls: every region reads
-        the same ids at its own offset. None (the general path decides, and raises what it
-        raises) for anything else: other dtypes, no ids, ids out of range."""
-        d = lg if type(lg) is np.ndarray else np.asarray(lg)
-        p = rg if type(rg) is np.ndarray else np.asarray(rg)
-        if (d.ndim != 1 or p.ndim != 1 or d.dtype.kind != "i" or p.dtype.kind != "i"
-                or not 0 < d.size <= p.size):
-            return None
+        """:meth:`read_ids` for one group at ppl 1 in a few calls: every region reads the
+        same ids at its own offset. The ids come out int32, NIXL's index type, so nothing
+        converts them again. None (the general path decides, and raises what it raises)
+        for anything else: other types, no ids, ids out of range."""
         loff, roff, lcap, rcap, id_bytes = self._one_group  # type: ignore[misc]
-        d = d.astype(np.int64, copy=False)
-        p = p[p.size - d.size:].astype(np.int64, copy=False)
-        # as uint64 a negative id is huge: one reduction checks both bounds
-        if int(_max(d.view(_U64))) >= lcap or int(_max(p.view(_U64))) >= rcap:
-            return None
-        return (np.add.outer(loff, d).ravel(), np.add.outer(roff, p).ravel(),
-                int(d.size) * id_bytes)
+        if type(lg) is list and type(rg) is list:   # what vLLM's scheduler hands over
+            n = len(lg)
+            if not 0 < n <= len(rg):
+                return None
+            p = rg[len(rg) - n:] if n != len(rg) else rg
+            try:
+                if min(lg) < 0 or max(lg) >= lcap or min(p) < 0 or max(p) >= rcap:
+                    return None
+            except TypeError:                       # not numbers
+                return None
+            d = np.asarray(lg)
+            q = np.asarray(p)
+            if d.dtype.kind != "i" or q.dtype.kind != "i":     # bools, floats: not ids
+                return None
+        else:
+            d = lg if type(lg) is np.ndarray else np.asarray(lg)
+            q = rg if type(rg) is np.ndarray else np.asarray(rg)
+            if (d.ndim != 1 or q.ndim != 1 or d.dtype.kind != "i" or q.dtype.kind != "i"
+                    or not 0 < d.size <= q.size):
+                return None
+            d = d.astype(np.int64, copy=False)
+            q = q[q.size - d.size:].astype(np.int64, copy=False)
+            # as uint64 a negative id is huge: one reduction checks both bounds
+            if int(_max(d.view(_U64))) >= lcap or int(_max(q.view(_U64))) >= rcap:
+                return None
+        return (np.add.outer(loff, d.astype(_I32)).ravel(),
+                np.add.outer(roff, q.astype(_I32)).ravel(), int(d.size) * id_bytes)
 
 
 _U64 = np.dtype(np.uint64)
+_I32 = np.dtype(np.int32)
 _max = np.maximum.reduce
 
 

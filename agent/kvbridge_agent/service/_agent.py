@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import metrics, rules
 from ..geometry import CacheView, RegionPlan, plan_regions
+from ..nixl import PullRequest, PushRequest, TransferFailure  # no NIXL build loads here
 from ..protocol import (
     NIXL_CONNECTOR_VERSION,
     CompatibilityFactors,
@@ -40,17 +41,14 @@ from ._types import (
     utc_timestamp,
 )
 
-if TYPE_CHECKING:   # NIXL and ZMQ load when an agent starts, not when this module imports
+if TYPE_CHECKING:   # NIXL builds and ZMQ load when an agent starts, not at import
     from ..nixl import (
         CompletionTracker,
         LocalEngine,
         NixlAgent,
         PullEngine,
-        PullRequest,
         PushEngine,
-        PushRequest,
         TransferDone,
-        TransferFailure,
     )
     from ..protocol import Verdict
     from ..sidechannel import SideChannelClient, SideChannelServer
@@ -445,10 +443,10 @@ class AgentService:
         ``expected_epoch`` a peer loaded at another epoch fails with cause ``stale_peer``
         (nothing is posted). Failures never send the completion notification.
         """
-        req = self._pull_request(request_id, remote_engine_id, local_block_ids,
-                                 remote_block_ids, remote_request_id=remote_request_id,
-                                 timeout_s=timeout_s)
-        return self._transfer(req, expected_epoch, float(req.timeout_s))
+        self._mover_for("pull", Side.PULLER)
+        req = PullRequest(request_id, remote_engine_id, local_block_ids, remote_block_ids,
+                          remote_request_id, self._timeout(timeout_s))
+        return self._transfer(req, expected_epoch, req.timeout_s)
 
     def start_pull(
         self,
@@ -465,10 +463,9 @@ class AgentService:
         """Post the READs of a pull and return at once (an engine's step loop cannot
         block); the outcome comes from :meth:`take_pull_results`, exactly once. Like
         :meth:`pull`, never handshakes, and a failure never notifies the producer."""
-        req = self._pull_request(request_id, remote_engine_id, local_block_ids,
-                                 remote_block_ids, remote_request_id=remote_request_id,
-                                 num_computed_blocks=num_computed_blocks,
-                                 remote_num_tokens=remote_num_tokens, timeout_s=timeout_s)
+        req = PullRequest(request_id, remote_engine_id, local_block_ids, remote_block_ids,
+                          remote_request_id, self._timeout(timeout_s), num_computed_blocks,
+                          remote_num_tokens)
         with self._lock:
             mover = self._mover_for("start_pull", Side.PULLER)
             self._async.add(request_id)
@@ -488,24 +485,9 @@ class AgentService:
                 out.append(self._outcome(rid, self._results.pop(rid), seconds))
         return out
 
-    def _pull_request(
-        self,
-        request_id: str,
-        remote_engine_id: str,
-        local_block_ids: Sequence[Sequence[int]],
-        remote_block_ids: Sequence[Sequence[int]],
-        *,
-        timeout_s: float | None,
-        **optional: Any,
-    ) -> PullRequest:
-        """The engine's ``PullRequest`` (the settings' deadline unless one is given)."""
-        from ..nixl import PullRequest
-
-        self._mover_for("pull", Side.PULLER)
-        timeout = self.settings.transfer_timeout_s if timeout_s is None else float(timeout_s)
-        return PullRequest(request_id=request_id, remote_engine_id=remote_engine_id,
-                           local_block_ids=local_block_ids, remote_block_ids=remote_block_ids,
-                           timeout_s=timeout, **optional)
+    def _timeout(self, timeout_s: float | None) -> float:
+        """A request's deadline: the settings' unless one is given."""
+        return self.settings.transfer_timeout_s if timeout_s is None else float(timeout_s)
 
     def has_remote(self, engine_id: str) -> bool:
         """Whether some rank of ``engine_id`` is loaded (handshaken)."""
@@ -539,10 +521,8 @@ class AgentService:
         handshakes; ``unknown_remote`` / ``stale_peer`` as in :meth:`pull`. A failed WRITE
         never delivers the notification.
         """
-        from ..nixl import PushRequest
-
         self._mover_for("push", Side.PUSHER)
-        timeout = self.settings.transfer_timeout_s if timeout_s is None else float(timeout_s)
+        timeout = self._timeout(timeout_s)
         return self._transfer(PushRequest(
             request_id=request_id, remote_engine_id=remote_engine_id,
             local_block_ids=local_block_ids, remote_block_ids=remote_block_ids,
@@ -592,13 +572,9 @@ class AgentService:
     def _outcome(self, request_id: str, res: TransferDone | TransferFailure,
                  seconds: float) -> TransferResult:
         """An engine's ``TransferDone`` / ``TransferFailure`` as a counted ``TransferResult``."""
-        from ..nixl import TransferFailure
-
         if isinstance(res, TransferFailure):
             return self._failed(request_id, res.cause.value, res.message)
-        metrics.TRANSFER_BYTES.inc(res.nbytes)
-        metrics.TRANSFER_DESCS.inc(res.descs)
-        metrics.TRANSFER_SECONDS.observe(seconds)
+        metrics.TALLY.add(res.nbytes, res.descs, seconds)
         return TransferResult(request_id, True, res.nbytes, res.descs, res.parts, seconds)
 
     @staticmethod
@@ -685,7 +661,7 @@ class AgentService:
         completed (its notification count reached), the request's lease expired (cause
         ``expired``) or ``timeout_s`` passed (cause ``timeout``; the request stays expected).
         """
-        timeout = self.settings.transfer_timeout_s if timeout_s is None else float(timeout_s)
+        timeout = self._timeout(timeout_s)
         deadline = time.monotonic() + timeout
         with self._lock:
             tracker = self._waiting_side("wait_received")

@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import rules
 
@@ -229,10 +229,10 @@ class PeerReport:
         return out
 
 
-@dataclass(frozen=True)
-class TransferResult:
+class TransferResult(NamedTuple):
     """Outcome of :meth:`AgentService.pull`, :meth:`~AgentService.push` or
-    :meth:`~AgentService.wait_received`: ``ok`` or a typed ``cause`` with a message."""
+    :meth:`~AgentService.wait_received`: ``ok`` or a typed ``cause`` with a message (a
+    NamedTuple: one per request, cheap to build)."""
 
     request_id: str
     ok: bool
