@@ -19,7 +19,9 @@ unsplit request; a small request (2 scattered 4 KiB blocks in each of 61 regions
 where the agent's fixed per-request cost shows (its lines add the median
 microseconds per request of both contenders and their difference), and the same with 8 and
 32 blocks (2 MB, 8 MB) between it and the large cases. ``KVB_BENCH_CASES=a,b`` runs only
-those cases. Buffers are pre-faulted. Output: JSON lines (bench/_common.py); higher
+those cases. Each shape's cases run with only their own producer process and consumer
+agents alive (idle NIXL agents' progress threads would otherwise share the 2 cores with the
+contenders). Buffers are pre-faulted. Output: JSON lines (bench/_common.py); higher
 ``ratio`` is better for every line.
 """
 
@@ -260,41 +262,24 @@ def _median_rate(times: list[float], nbytes: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def main() -> None:
-    t_start = time.monotonic()
-    large = ("large", (1, 64, 4 << 20))                     # one 256 MiB region
-    ds = ("ds", (61, 128, 73_728))                           # DeepSeek-like, 576 MiB
-    small = ("small", (61, 64, 4096))                        # small blocks: fixed costs
-    shapes = dict([large, ds, small])
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_producer, args=(child, shapes), daemon=True)
-    proc.start()
-    if not conn.poll(120):
-        raise TimeoutError("producer did not start")
-    descs = conn.recv()
+#: The consumers each shape's cases use: key -> (memory types per region, coalescing).
+CONSUMERS = {
+    "large": {"large": (["VRAM"], False)},
+    "ds": {"ds": (["VRAM"], False),
+           "ds-mixed": (["VRAM", "DRAM"], False)},
+    "small": {"small": (["VRAM"], False)},
+}
+SHAPES = {
+    "large": (1, 64, 4 << 20),                      # one 256 MiB region
+    "ds": (61, 128, 73_728),                        # DeepSeek-like, 576 MiB
+    "small": (61, 64, 4096),                        # small blocks: fixed costs
+}
 
-    d_large = Pool(*shapes["large"], fill=0)
-    d_ds = Pool(*shapes["ds"], fill=0)
-    src_large = Pool(*shapes["large"], fill=3)               # memcpy baselines' sources
-    src_ds = Pool(*shapes["ds"], fill=3)
-    d_small = Pool(*shapes["small"], fill=0)
-    src_small = Pool(*shapes["small"], fill=3)
-    consumers = {
-        "large": Consumer("large", d_large, ["VRAM"], coalesce=False),
-        "ds": Consumer("ds", d_ds, ["VRAM"], coalesce=False),
-        "ds-co": Consumer("ds-co", d_ds, ["VRAM"], coalesce=True),
-        "ds-mixed": Consumer("ds-mixed", d_ds, ["VRAM", "DRAM"], coalesce=False),
-        "small": Consumer("small", d_small, ["VRAM"], coalesce=False),
-    }
-    for key, c in consumers.items():
-        c.engine.add_remote(descs[key if key in ("large", "small") else "ds"])
-    conn.send(("add", [c.agent.metadata() for c in consumers.values()]))
-    assert conn.poll(60) and conn.recv() == "ok"
 
+def cases() -> dict[str, tuple[str, np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(0)
     half = 64
-    cases = {
+    return {
         "large_region": ("large", np.arange(64), np.arange(64)),
         "deepseek_scattered": ("ds", np.sort(rng.choice(128, half, replace=False)),
                                rng.choice(128, half, replace=False)),
@@ -307,25 +292,52 @@ def main() -> None:
         "request_32_blocks": ("small", np.sort(rng.choice(64, 32, replace=False)),
                               rng.choice(64, 32, replace=False)),
     }
-    pools_of = {"large": (d_large, src_large), "ds": (d_ds, src_ds),
-                "small": (d_small, src_small)}
-    unknown = set(CASES) - set(cases)
+
+
+def run_shape(shape: str, todo: dict[str, tuple[str, np.ndarray, np.ndarray]]) -> None:
+    """One producer process and this shape's consumers, alive only while its cases run: every
+    NIXL agent has a progress thread waking every 100 us, and on a 2-core machine idle agents
+    of other shapes would steal time from whichever contender runs longer."""
+    dims = SHAPES[shape]
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_producer, args=(child, {shape: dims}), daemon=True)
+    proc.start()
+    if not conn.poll(120):
+        raise TimeoutError("producer did not start")
+    desc = conn.recv()[shape]
+    dst, src = Pool(*dims, fill=0), Pool(*dims, fill=3)   # src: the memcpy baseline's
+    consumers = {key: Consumer(key, dst, mem_types, coalesce=co)
+                 for key, (mem_types, co) in CONSUMERS[shape].items()}
+    try:
+        for c in consumers.values():
+            c.engine.add_remote(desc)
+        conn.send(("add", [c.agent.metadata() for c in consumers.values()]))
+        assert conn.poll(60) and conn.recv() == "ok"
+        for name, (_, lids, rids) in todo.items():
+            measure_case(name, shape, dims, desc.engine_id, consumers, (dst, src), lids, rids)
+            conn.send(("drain",))
+            assert conn.poll(30) and conn.recv() == "ok"
+    finally:
+        for c in consumers.values():
+            c.engine.close()
+            c.agent.close()
+        conn.send(("exit",))
+        conn.poll(30)
+        proc.join(30)
+
+
+def main() -> None:
+    t_start = time.monotonic()
+    known = cases()
+    unknown = set(CASES) - set(known)
     if unknown:
-        raise SystemExit(f"KVB_BENCH_CASES: unknown {sorted(unknown)}; known: {sorted(cases)}")
-    for name, (shape, lids, rids) in cases.items():
-        if CASES and name not in CASES:
-            continue
-        pools = pools_of[shape]
-        measure_case(name, shape, shapes[shape], descs[shape].engine_id, consumers, pools,
-                     lids, rids)
-        conn.send(("drain",))
-        assert conn.poll(30) and conn.recv() == "ok"
-    for c in consumers.values():
-        c.engine.close()
-        c.agent.close()
-    conn.send(("exit",))
-    conn.poll(30)
-    proc.join(30)
+        raise SystemExit(f"KVB_BENCH_CASES: unknown {sorted(unknown)}; known: {sorted(known)}")
+    for shape in SHAPES:
+        todo = {name: case for name, case in known.items()
+                if case[0] == shape and (not CASES or name in CASES)}
+        if todo:
+            run_shape(shape, todo)
     print(f"# bench_transfer took {time.monotonic() - t_start:.1f} s", file=sys.stderr)
 
 
