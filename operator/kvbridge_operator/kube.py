@@ -4,24 +4,46 @@ Uses the official client in a small thread pool (it is synchronous). 404 on a pa
 tolerated (the object went away; its deletion triggers a new plan anyway), and so is 409 on a
 patch with a ``resourceVersion`` precondition (the object changed since it was read; its
 watch event brings the new state); other API errors become :class:`KubeError` naming the
-object.
+object, or :class:`KubeUnavailable` when the API server could not answer at all (not
+reachable, 5xx, 429, or the plain "404 page not found" of one still starting, which is no
+statement about the object).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
 
 from .config import ENDPOINTS, GROUP, TRANSFERS, VERSION
 
 
 class KubeError(RuntimeError):
     """A Kubernetes API call failed (other than 404)."""
+
+
+class KubeUnavailable(KubeError):
+    """The API server did not answer the call (unreachable, overloaded, starting): unlike a
+    refusal, trying again later can succeed."""
+
+
+def _no_answer(exc: ApiException) -> bool:
+    """Whether ``exc`` says nothing about the object: a server error, throttling, or a 404
+    whose body is not a Kubernetes ``Status`` (a starting API server's "page not found")."""
+    if exc.status is None or exc.status >= 500 or exc.status == 429:
+        return True
+    if exc.status != 404:
+        return False
+    try:
+        return json.loads(exc.body or "").get("kind") != "Status"
+    except (ValueError, AttributeError):
+        return True
 
 
 def load_api_client() -> client.ApiClient:
@@ -64,11 +86,16 @@ class Kube:
                 body,
             )
         except ApiException as exc:
+            what = f"patching {plural}/{name} status in {namespace}: {exc.status} {exc.reason}"
+            if _no_answer(exc):
+                raise KubeUnavailable(what) from exc
             if exc.status == 404 or (exc.status == 409 and resource_version):
                 return False
-            raise KubeError(
-                f"patching {plural}/{name} status in {namespace}: {exc.status} {exc.reason}"
-            ) from exc
+            raise KubeError(what) from exc
+        except HTTPError as exc:        # connection refused, reset, timed out
+            raise KubeUnavailable(
+                f"patching {plural}/{name} status in {namespace}: API server unreachable "
+                f"({type(exc).__name__})") from exc
         return True
 
     async def patch_transfer_status(self, namespace: str, name: str, status: dict) -> bool:

@@ -38,6 +38,9 @@ from .kube import Kube
 from .spec import Endpoint, parse_endpoint
 
 log = logging.getLogger("kvbridge.operator")
+
+#: Seconds before kopf runs a deferred release again (the API server did not answer).
+RELEASE_AGAIN_S = 5.0
 kopf_watch.install()
 
 
@@ -182,12 +185,16 @@ async def plan_transfer(
 async def release_endpoints(
     name: str, namespace: str, endpoints_by_transfer: kopf.Index, memo: kopf.Memo, **_: Any
 ) -> None:
-    """Withdraw peers from the endpoints of a deleted KVTransfer (best effort, bounded: see
-    :func:`reconciler.release`), so the finalizer is always released."""
-    await reconciler.release(
-        namespace, name, _endpoints(endpoints_by_transfer, namespace, name),
-        runtime.from_memo(memo).kube,
-    )  # fmt: skip
+    """Withdraw peers from the endpoints of a deleted KVTransfer (bounded: see
+    :func:`reconciler.release`). A refused write releases the finalizer anyway; an API server
+    that does not answer keeps it, and kopf runs this again."""
+    try:
+        await reconciler.release(
+            namespace, name, _endpoints(endpoints_by_transfer, namespace, name),
+            runtime.from_memo(memo).kube,
+        )  # fmt: skip
+    except reconciler.ReleaseDeferred as exc:
+        raise kopf.TemporaryError(str(exc), delay=RELEASE_AGAIN_S) from exc
 
 
 def validate_kvendpoint(body: kopf.Body, old: Any, userinfo: Any, **_: Any) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 from . import metrics, planner, status
 from .config import Settings
 from .errors import SpecError
-from .kube import Kube
+from .kube import Kube, KubeUnavailable
 from .spec import Endpoint, parse_transfer
 
 log = logging.getLogger("kvbridge.operator")
@@ -275,14 +275,27 @@ def _with_removals(stored: Mapping[str, Any], new: dict[str, Any]) -> dict[str, 
 RELEASE_RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0)
 
 
+class ReleaseDeferred(Exception):
+    """The API server could not be reached to tell every endpoint of a deleted KVTransfer;
+    the release should run again later. Keeping the finalizer meanwhile costs nothing: its
+    removal needs the same API server."""
+
+
 async def release(namespace: str, name: str, endpoints: Iterable[Endpoint], kube: Kube,
                   *, retry_delays: Iterable[float] = RELEASE_RETRY_DELAYS) -> int:  # fmt: skip
     """Withdraw the peers of every endpoint of a KVTransfer being deleted; returns writes.
 
     The endpoints become ``Orphaned`` with reason ``TransferDeleted`` (see :func:`orphan`).
-    Best effort, never raising: a write that keeps failing (RBAC, an unreachable API server)
-    is retried a few times and then logged, so the KVTransfer's finalizer is always released
-    and a delete never hangs; such an endpoint is marked Orphaned by its next event.
+    A write the API server refuses (RBAC, validation) is retried a few times and then logged,
+    so a refusal never holds the KVTransfer's finalizer: such an endpoint is marked Orphaned by
+    its next event. A write the API server did not answer at all is different: its KVTransfer
+    may be gone before any event tells the endpoint (a watch that resumes after a restart
+    does not replay the deletion), so after the same retries :class:`ReleaseDeferred` asks
+    for the release to run again.
+
+    Raises:
+        ReleaseDeferred: some endpoint could not be told because the API server did not
+            answer.
     """
     writes = 0
     todo = list(endpoints)
@@ -304,6 +317,11 @@ async def release(namespace: str, name: str, endpoints: Iterable[Endpoint], kube
             break
         todo = [e for e, _ in failed]
         if delay is None:
+            unanswered = [e.name for e, exc in failed if isinstance(exc, KubeUnavailable)]
+            if unanswered:
+                raise ReleaseDeferred(
+                    f"KVTransfer {namespace}/{name} deleted, but the API server did not answer "
+                    f"while telling KVEndpoint(s) {', '.join(unanswered)}; trying again")
             for e, exc in failed:
                 log.warning("KVTransfer %s/%s deleted, but KVEndpoint %s could not be told "
                             "(%s); releasing the finalizer anyway", namespace, name, e.name, exc)

@@ -22,6 +22,7 @@ from kvb_e2e import Api, OperatorProcess, wait_for
 from sim import SimPod
 
 from kvbridge_operator.config import ENDPOINTS, TRANSFERS
+from kvbridge_operator.reconciler import RELEASE_RETRY_DELAYS
 
 pytestmark = [pytest.mark.k8s, pytest.mark.nixl, pytest.mark.slow, pytest.mark.faults]
 
@@ -206,10 +207,12 @@ def test_apiserver_restart_mid_reconcile(cluster, api: Api, operator: OperatorPr
     converge(api, "kvt")
     assert_endpoints(api, all_endpoints(agents, load))
     assert_transfers_work(api, agents)
-    # The finalizer runs even when the apiserver restarts right after the deletion.
+    # The finalizer runs even when the apiserver restarts right after the deletion, and stays
+    # down longer than the release retries its writes: the release waits for it rather than
+    # letting the finalizer go with the endpoints untold.
     names = set(load.names)
     api.delete(TRANSFERS, NS, "load-a")
-    cluster.restart("kube-apiserver")
+    cluster.restart("kube-apiserver", down_s=sum(RELEASE_RETRY_DELAYS) + 1.0)
     assert_deleted(api, "load-a", names)
     load.remove_all()
 

@@ -9,7 +9,7 @@ from typing import Any
 from kvbridge_operator import reconciler
 from kvbridge_operator import status as st
 from kvbridge_operator import testing as T
-from kvbridge_operator.kube import KubeError
+from kvbridge_operator.kube import Kube, KubeError, KubeUnavailable
 from kvbridge_operator.spec import Endpoint, parse_endpoint
 
 
@@ -84,9 +84,11 @@ class FailingKube(FakeKube):
     """Fails the status patches of the endpoints in ``failures``, that many times each
     (``None``: always), as RBAC or an API server outage would."""
 
-    def __init__(self, failures: dict[str, int | None]) -> None:
+    def __init__(self, failures: dict[str, int | None], error: type[KubeError] = KubeError
+                 ) -> None:  # fmt: skip
         super().__init__()
         self.failures = failures
+        self.error = error
 
     async def patch_endpoint_status(self, namespace: str, name: str, status: dict,
                                     resource_version: str | None = None) -> bool:  # fmt: skip
@@ -95,7 +97,8 @@ class FailingKube(FakeKube):
         if left is None or left > 0:
             if left is not None:
                 self.failures[name] = left - 1
-            raise KubeError(f"patching kvendpoints/{name} status: 403 Forbidden")
+            raise self.error(f"patching kvendpoints/{name} status: 403 Forbidden"
+                             if self.error is KubeError else "API server unreachable")
         return True
 
 
@@ -110,9 +113,9 @@ def release(kube: FailingKube, delays: tuple[float, ...]) -> int:
                                           retry_delays=delays))  # fmt: skip
 
 
-def test_release_never_raises_and_lets_the_finalizer_go(caplog) -> None:
-    """A write that keeps failing is retried, then logged: the delete handler returns, so
-    kopf removes the finalizer; the endpoints that could be told are told."""
+def test_release_lets_the_finalizer_go_after_a_refusal(caplog) -> None:
+    """A write the API server keeps refusing is retried, then logged: the delete handler
+    returns, so kopf removes the finalizer; the endpoints that could be told are told."""
     kube = FailingKube({"d1-0": None})
     assert release(kube, (0.0, 0.0)) == 1
     assert [p[1] for p in kube.patches] == ["d0-0", "d1-0", "d1-0", "d1-0"]  # 1 + 2 retries
@@ -124,3 +127,71 @@ def test_release_retries_a_transient_failure_until_written() -> None:
     kube = FailingKube({"d1-0": 1})
     assert release(kube, (0.0, 0.0)) == 2
     assert [p[1] for p in kube.patches] == ["d0-0", "d1-0", "d1-0"]
+
+
+def test_release_is_deferred_while_the_api_server_does_not_answer(caplog) -> None:
+    """Unanswered writes (an API server restarting) do not let the finalizer go: the
+    KVTransfer could vanish before any event told its endpoints (a resumed watch does not
+    replay the deletion), so the handler asks kopf to run it again."""
+    kube = FailingKube({"d1-0": None}, error=KubeUnavailable)
+    try:
+        release(kube, (0.0, 0.0))
+    except reconciler.ReleaseDeferred as exc:
+        assert "d1-0" in str(exc) and "d0-0" not in str(exc)
+    else:
+        raise AssertionError("release returned while an endpoint was not told")
+    assert [p[1] for p in kube.patches] == ["d0-0", "d1-0", "d1-0", "d1-0"]
+    assert "releasing the finalizer anyway" not in caplog.text
+    # the API server answers again: the next run tells both (its index still holds the old
+    # statuses) and returns, so kopf lets the finalizer go
+    kube.failures["d1-0"] = 0
+    assert release(kube, (0.0, 0.0)) == 2
+    assert [p[1] for p in kube.patches[-2:]] == ["d0-0", "d1-0"]
+
+
+class _Api:
+    """The one CustomObjectsApi call Kube's patches make, failing as told."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def patch_namespaced_custom_object_status(self, *args: Any) -> None:
+        raise self.error
+
+
+def _patch(error: BaseException) -> bool:
+    kube = Kube.__new__(Kube)           # no kubeconfig: only the error handling is exercised
+    kube._api = _Api(error)             # type: ignore[assignment]
+    kube._pool = __import__("concurrent.futures").futures.ThreadPoolExecutor(1)
+    try:
+        return asyncio.run(kube.patch_endpoint_status("serving", "d0-0", {}))
+    finally:
+        kube.close()
+
+
+def test_kube_tells_an_unanswered_call_from_a_refusal() -> None:
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import MaxRetryError
+
+    def api_error(status: int, body: str) -> ApiException:
+        exc = ApiException(status=status, reason="x")
+        exc.body = body
+        return exc
+
+    status_404 = '{"kind": "Status", "reason": "NotFound", "code": 404}'
+    assert _patch(api_error(404, status_404)) is False              # the object is gone
+    for unanswered in (api_error(404, "404 page not found"), api_error(503, ""),
+                       api_error(429, ""), MaxRetryError(None, "/", "refused")):
+        try:
+            _patch(unanswered)
+        except KubeUnavailable:
+            pass
+        else:
+            raise AssertionError(f"{unanswered!r} not reported as unanswered")
+    for refused in (api_error(403, '{"kind": "Status"}'), api_error(422, '{"kind": "Status"}')):
+        try:
+            _patch(refused)
+        except KubeUnavailable:
+            raise AssertionError(f"{refused!r} reported as unanswered") from None
+        except KubeError:
+            pass
