@@ -38,10 +38,10 @@ from .kube import Kube
 from .spec import Endpoint, parse_endpoint
 
 log = logging.getLogger("kvbridge.operator")
+kopf_watch.install()
 
 #: Seconds before kopf runs a deferred release again (the API server did not answer).
 RELEASE_AGAIN_S = 5.0
-kopf_watch.install()
 
 
 @kopf.on.startup()
