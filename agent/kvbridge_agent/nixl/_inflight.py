@@ -17,6 +17,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ._agent import NixlAgent, XferHandle, XferState
@@ -51,27 +52,20 @@ class TransferDone(NamedTuple):
     zeroed_bytes: int = 0
 
 
+@dataclass(eq=False, slots=True)
 class _Request:
-    """One request's parts and what is owed once they are done. ``held``, ``notifs`` and
-    ``attached`` stay the shared empty tuple until something goes in (most requests have
-    none): a request costs one list."""
-
-    __slots__ = ("attached", "deadline", "descs", "failure", "held", "inflight", "nbytes",
-                 "notifs", "on_success", "parts", "request_id", "sealed")
-
-    def __init__(self, request_id: str, deadline: float) -> None:
-        self.request_id = request_id
-        self.deadline = deadline
-        self.inflight: list[XferHandle] = []
-        self.held: list[XferHandle] | tuple[()] = ()
-        self.notifs: list[tuple[str, bytes]] | tuple[()] = ()
-        self.attached: list[str] | tuple[()] = ()    # peers notified by a part itself
-        self.failure: TransferFailure | None = None
-        self.nbytes = 0
-        self.parts = 0
-        self.descs = 0
-        self.sealed = False   # all parts posted; may complete once inflight is empty
-        self.on_success: Callable[[], int] | None = None   # on success (zeroing)
+    request_id: str
+    deadline: float
+    inflight: list[XferHandle] = field(default_factory=list)
+    held: list[XferHandle] = field(default_factory=list)
+    notifs: list[tuple[str, bytes]] = field(default_factory=list)
+    attached: list[str] = field(default_factory=list)   # peers notified by a part itself
+    failure: TransferFailure | None = None
+    nbytes: int = 0
+    parts: int = 0
+    descs: int = 0
+    sealed: bool = False   # all parts posted; may complete once inflight is empty
+    on_success: Callable[[], int] | None = None   # post-processing on success (zeroing)
 
 
 Result = TransferDone | TransferFailure
@@ -115,7 +109,7 @@ class Transfers:
         delivers it to the part's peer only once the part completed (a request of exactly
         one part needs no deferred notification)."""
         if notif:
-            req.attached = [*req.attached, x.peer]
+            req.attached.append(x.peer)
         req.inflight.append(x)
         req.parts += 1
         req.descs += x.num_descs
@@ -124,7 +118,7 @@ class Transfers:
             self._finish_part(req, x)
 
     def defer_notif(self, req: _Request, peer: str, message: bytes) -> None:
-        req.notifs = [*req.notifs, (peer, message)]
+        req.notifs.append((peer, message))
 
     def set_on_success(self, req: _Request, fn: Callable[[], int]) -> None:
         """Run ``fn`` once the request has succeeded (every part DONE, notifications sent),
@@ -143,7 +137,7 @@ class Transfers:
         if req.failure is None:
             req.failure = TransferFailure(req.request_id, cause, message, error)
             log.warning("transfer %s failed (%s): %s", req.request_id, cause.value, message)
-        req.notifs = ()
+        req.notifs.clear()
         req.sealed = True
         for x in req.inflight:
             self._release_or_hold(req, x)
@@ -159,7 +153,7 @@ class Transfers:
         except NixlCallError as exc:
             log.error("transfer %s: releasing %s failed, keeping it (its blocks stay pinned):"
                       " %s", req.request_id, x.label, exc)
-            req.held = [*req.held, x]
+            req.held.append(x)
 
     def _finish_part(self, req: _Request, x: XferHandle) -> None:
         req.inflight.remove(x)
@@ -206,7 +200,7 @@ class Transfers:
                 failures += 1
                 log.warning("transfer %s: notification to %s failed (it will free on lease "
                             "expiry): %s", req.request_id, peer, exc)
-        req.notifs = ()
+        req.notifs.clear()
         zeroed = 0
         if req.on_success is not None:
             try:

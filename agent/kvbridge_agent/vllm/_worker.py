@@ -301,11 +301,9 @@ class KVBridgeWorker:
         svc = self._svc()
         self._drain_handshakes()
         svc.progress()    # once per engine step: vLLM's model runner drives the agent
-        sending: set[str] = set()
-        if svc.tracker is not None:      # a side that serves reads (prefill, kv_both)
-            done = svc.completions(poll=False)
-            sending.update(done["finished"], done["expired"])
-            self._held.difference_update(sending)
+        done = svc.completions(poll=False)
+        sending = set(done["finished"]) | set(done["expired"])
+        self._held.difference_update(sending)
         recving: set[str] = set()
         for res in svc.take_pull_results():
             if res.ok:
