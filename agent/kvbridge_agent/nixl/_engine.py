@@ -36,7 +36,7 @@ class PollResult:
 _NOTHING = PollResult()
 
 
-class _Request(Protocol):
+class _Identified(Protocol):
     """What :meth:`TransferEngine._track` reads of a pull or push request."""
 
     @property
@@ -46,7 +46,7 @@ class _Request(Protocol):
     def timeout_s(self) -> float | None: ...
 
 
-R = TypeVar("R", bound=_Request)
+R = TypeVar("R", bound=_Identified)
 
 
 class TransferEngine:
