@@ -62,24 +62,19 @@ class ReadRoute:
     #: the local regions' block lengths (what one descriptor of each region moves)
     block_lens: np.ndarray
     _id_bytes: dict[int, int] = field(default_factory=dict, repr=False)
-    #: one transfer group, ppl 1 on both sides (the usual engine): (local offsets, remote
-    #: offsets, smallest local capacity, smallest remote capacity, bytes per id), else None
-    _one_group: tuple[np.ndarray, np.ndarray, int, int, int] | None = field(
+    #: one transfer group, ppl 1 on both sides (the usual engine): the two layouts' id
+    #: tables (``DescIdLayout.id_table``) and the bytes one block id moves, else None
+    _one_group: tuple[np.ndarray, np.ndarray, int] | None = field(
         init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         lo, ro = self.local_layout, self.remote_layout
-        if (lo.uses_group_mapping or ro.uses_group_mapping or self.local_ppl != 1
-                or self.remote_ppl != 1 or lo.block_size_ratio not in (None, 1)
-                or ro.block_size_ratio not in (None, 1)
-                or not lo.capacities.size or not ro.capacities.size):
+        if (self.local_ppl != 1 or self.remote_ppl != 1
+                or lo.block_size_ratio not in (None, 1) or ro.block_size_ratio not in (None, 1)):
             return
-        lcap, rcap = int(lo.capacities.min()), int(ro.capacities.min())
-        if max(int(lo.offsets.max()) + lcap, int(ro.offsets.max()) + rcap) >= 2**31:
-            return                                  # ids past NIXL's int32 index
-        object.__setattr__(self, "_one_group", (
-            lo.offsets.astype(_I32), ro.offsets.astype(_I32), lcap, rcap,
-            int(self.block_lens.sum())))
+        ltable, rtable = lo.id_table(), ro.id_table()
+        if ltable is not None and rtable is not None:
+            object.__setattr__(self, "_one_group", (ltable, rtable, int(self.block_lens.sum())))
 
     def id_bytes(self, group: int) -> int:
         """Bytes one block id of ``group`` moves: the block lengths of the regions its ids
@@ -128,11 +123,13 @@ class ReadRoute:
 
     def _one_group_ids(self, lg: Sequence[int], rg: Sequence[int]
                        ) -> tuple[np.ndarray, np.ndarray, int] | None:
-        """:meth:`read_ids` for one group at ppl 1 in a few calls: every region reads the
-        same ids at its own offset. The ids come out int32, NIXL's index type, so nothing
-        converts them again. None (the general path decides, and raises what it raises)
-        for anything else: other types, no ids, ids out of range."""
-        loff, roff, lcap, rcap, id_bytes = self._one_group  # type: ignore[misc]
+        """:meth:`read_ids` for one group at ppl 1: the columns of the request's blocks in
+        the two id tables, region by region (so blocks adjacent in a region stay adjacent,
+        and NIXL can merge them). The ids come out int32, NIXL's index type, so nothing
+        converts them again. None (the general path decides, and raises what it raises) for
+        anything else: other types, no ids, ids out of range."""
+        ltable, rtable, id_bytes = self._one_group  # type: ignore[misc]
+        lcap, rcap = ltable.shape[1], rtable.shape[1]
         if type(lg) is list and type(rg) is list:   # what vLLM's scheduler hands over
             n = len(lg)
             if not 0 < n <= len(rg):
@@ -158,12 +155,10 @@ class ReadRoute:
             # as uint64 a negative id is huge: one reduction checks both bounds
             if int(_max(d.view(_U64))) >= lcap or int(_max(q.view(_U64))) >= rcap:
                 return None
-        return (np.add.outer(loff, d.astype(_I32)).ravel(),
-                np.add.outer(roff, q.astype(_I32)).ravel(), int(d.size) * id_bytes)
+        return (ltable.take(d, 1).ravel(), rtable.take(q, 1).ravel(), int(d.size) * id_bytes)
 
 
 _U64 = np.dtype(np.uint64)
-_I32 = np.dtype(np.int32)
 _max = np.maximum.reduce
 
 
