@@ -66,6 +66,7 @@ class _Request:
     descs: int = 0
     sealed: bool = False   # all parts posted; may complete once inflight is empty
     on_success: Callable[[], int] | None = None   # post-processing on success (zeroing)
+    result: TransferDone | TransferFailure | None = None   # terminal, not yet reported
 
 
 Result = TransferDone | TransferFailure
@@ -128,8 +129,12 @@ class Transfers:
         req.on_success = fn
 
     def seal(self, req: _Request) -> None:
-        """Every part has been posted: the request may now complete."""
+        """Every part has been posted: the request may now complete, and does at once when
+        every part already finished inside its post (with CMA the copy happens there), so
+        the next poll or wait only reports it."""
         req.sealed = True
+        if req.failure is None and not req.inflight and not req.held:
+            req.result = self._complete(req)
 
     def fail(self, req: _Request, cause: FailureCause, message: str,
              error: BaseException | None = None) -> None:
@@ -161,6 +166,8 @@ class Transfers:
 
     # -- progress -------------------------------------------------------------------------
     def _step(self, req: _Request, now: float) -> Result | None:
+        if req.result is not None:
+            return req.result
         if req.failure is None:
             for x in list(req.inflight):
                 try:
@@ -236,6 +243,9 @@ class Transfers:
         with TIMEOUT. Raises KeyError for an unknown (or already reported) request, and
         TimeoutError if it cannot be reported because a handle refuses to be released."""
         req = self._reqs[request_id]
+        if req.result is not None:            # finished while it was started
+            self._pop(req)
+            return req.result
         req.deadline = min(req.deadline, deadline)
         polls = 0
         while True:
