@@ -1,8 +1,9 @@
 """Cross-process NIXL pull throughput: the agent's PullEngine against raw NIXL and memcpy.
 
 A spawned producer process owns the source memory and one NIXL agent; this process is the
-consumer. For each case the three contenders move the same bytes, interleaved rep by rep,
-and the median of the reps is reported:
+consumer. For each case the three contenders move the same bytes, interleaved rep by rep in
+a new random order each rep (so none always follows the same neighbour), and the median of
+the reps is reported:
 
 - agent: ``PullEngine.start`` + ``wait`` (id planning, mem-type split, post, poll,
   completion notification) — with coalescing off and on where it matters;
@@ -30,6 +31,7 @@ from __future__ import annotations
 import functools
 import multiprocessing as mp
 import os
+import random
 import statistics
 import sys
 import time
@@ -197,8 +199,13 @@ def measure_case(name, shape, dims, eid, consumers, pools, lids, rids) -> None:
     runs: dict[str, list[float]] = {k: [] for k in contenders}
     order = list(contenders)
     reps = REPS * 8 if shape == "small" else REPS     # microsecond requests: more reps
-    for rep in range(reps):            # rotate the order so no contender always goes first
-        for key in order[rep % len(order):] + order[:rep % len(order)]:
+    shuffle = random.Random(0).shuffle
+    for _ in range(reps):
+        # A new order every rep: a contender runs slower after one that flushed the caches
+        # (memcpy) than after another transfer, by more than the per-request costs measured
+        # here; a fixed cycle would hand that penalty to one contender in every rep.
+        shuffle(order)
+        for key in order:
             runs[key].append(contenders[key]())
     gbps = {k: _median_rate(v, nbytes) for k, v in runs.items()}
 
