@@ -285,10 +285,13 @@ class FakeAgent:
         self.S = XferState
         self.done: set[str] = set()
         self.refuse_release: set[str] = set()
+        self.refuse_post: set[str] = set()
         self.released: list[str] = []
         self.notifs: list[tuple[str, bytes]] = []
 
     def post(self, x, notif=b""):
+        if x.label in self.refuse_post:
+            raise nx.NixlCallError("post refused", nx.FailureCause.TRANSFER)
         return self.S.DONE if x.label in self.done else self.S.IN_PROGRESS
 
     def state(self, x):
@@ -327,6 +330,49 @@ def test_inflight_notifies_only_after_every_part_and_reports_once():
     assert isinstance(res, nx.TransferDone) and res.parts == 2 and res.notified == ("p",)
     assert agent.notifs == [("p", b"r:1")] and sorted(agent.released) == ["a", "b"]
     assert t.poll() == [] and "r" not in t
+
+
+def test_inflight_part_done_in_its_post_is_released_and_the_request_ends_at_seal():
+    from kvbridge_agent.nixl._inflight import Transfers
+
+    clock = Clock()
+    agent = FakeAgent()
+    agent.done.update({"a", "b"})
+    t = Transfers(agent, clock=clock)
+    req = t.begin("r", clock() + 5)
+    t.post(req, _xfer("a"), b"r:1")             # the notification rides on the READ
+    assert agent.released == ["a"]               # released inside the post
+    assert t.poll() == [] and "r" in t           # not sealed: more parts may follow
+    t.seal(req)
+    (res,) = t.poll()
+    assert isinstance(res, nx.TransferDone) and res.notified == ("p",) and res.nbytes == 10
+    assert agent.notifs == [] and t.poll() == [] and "r" not in t
+    req = t.begin("r2", clock() + 5)
+    t.post(req, _xfer("b"))
+    t.defer_notif(req, "q", b"r2:1")
+    t.seal(req)
+    assert agent.notifs == [("q", b"r2:1")]      # sent at once: every part is done
+    res = t.wait("r2", clock() + 5)
+    assert isinstance(res, nx.TransferDone) and res.notified == ("q",)
+    with pytest.raises(KeyError):                # reported exactly once
+        t.wait("r2", clock() + 5)
+
+
+def test_inflight_failed_post_releases_its_handle_with_the_request():
+    from kvbridge_agent.nixl._inflight import Transfers
+
+    clock = Clock()
+    agent = FakeAgent()
+    agent.refuse_post.add("bad")
+    t = Transfers(agent, clock=clock)
+    req = t.begin("r", clock() + 5)
+    t.post(req, _xfer("ok"))
+    with pytest.raises(nx.NixlCallError):
+        t.post(req, _xfer("bad"))
+    t.fail(req, nx.FailureCause.TRANSFER, "post refused")
+    assert sorted(agent.released) == ["bad", "ok"]
+    (res,) = t.poll()
+    assert res.cause is nx.FailureCause.TRANSFER and agent.notifs == []
 
 
 def test_inflight_deadline_fails_releases_and_holds_refused_handles():

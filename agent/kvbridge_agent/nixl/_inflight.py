@@ -106,17 +106,23 @@ class Transfers:
     def post(self, req: _Request, x: XferHandle, notif: bytes = b"", *,
              attached: bool = False) -> None:
         """Post one part. Raises NixlCallError (the caller fails the request); the handle is
-        tracked first so a failure still releases it. ``notif`` rides on this part: NIXL
+        then tracked, so failing the request releases it. ``notif`` rides on this part: NIXL
         delivers it to the part's peer only once the part completed (a request of exactly
         one part needs no deferred notification)."""
         if notif:
             req.attached.append(x.peer)
-        req.inflight.append(x)
         req.parts += 1
         req.descs += x.num_descs
         req.nbytes += x.nbytes
-        if self.agent.post(x, b"" if attached else notif) is XferState.DONE:
-            self._finish_part(req, x)
+        try:
+            done = self.agent.post(x, b"" if attached else notif) is XferState.DONE
+        except BaseException:
+            req.inflight.append(x)     # tracked, so failing the request releases it
+            raise
+        if done:                       # with CMA the copy happened inside the post
+            self._release_or_hold(req, x)
+        else:
+            req.inflight.append(x)
 
     def defer_notif(self, req: _Request, peer: str, message: bytes) -> None:
         req.notifs.append((peer, message))
@@ -197,17 +203,7 @@ class Transfers:
         # Notifications first: they only concern the producer's blocks, which every DONE
         # part has finished reading, so it may free them now rather than after our local
         # zeroing; and a zeroing error must not strand them until the lease expires.
-        sent: list[str] = []
-        failures = 0
-        for peer, message in req.notifs:
-            try:
-                self.agent.send_notif(peer, message)
-                sent.append(peer)
-            except NixlCallError as exc:
-                failures += 1
-                log.warning("transfer %s: notification to %s failed (it will free on lease "
-                            "expiry): %s", req.request_id, peer, exc)
-        req.notifs.clear()
+        notified, failures = self._send_deferred(req) if req.notifs else (req.attached, 0)
         zeroed = 0
         if req.on_success is not None:
             try:
@@ -220,7 +216,23 @@ class Transfers:
                           req.failure.message)
                 return req.failure
         return TransferDone(req.request_id, req.nbytes, req.parts, req.descs,
-                            (*req.attached, *sent), failures, zeroed)
+                            tuple(notified), failures, zeroed)
+
+    def _send_deferred(self, req: _Request) -> tuple[list[str], int]:
+        """Send the request's deferred notifications: (every peer notified, including those
+        whose part carried it, and how many NIXL refused)."""
+        notified = list(req.attached)
+        failures = 0
+        for peer, message in req.notifs:
+            try:
+                self.agent.send_notif(peer, message)
+                notified.append(peer)
+            except NixlCallError as exc:
+                failures += 1
+                log.warning("transfer %s: notification to %s failed (it will free on lease "
+                            "expiry): %s", req.request_id, peer, exc)
+        req.notifs.clear()
+        return notified, failures
 
     def _pop(self, req: _Request) -> None:
         self._reqs.pop(req.request_id, None)
