@@ -311,12 +311,17 @@ def _xfer(label):
     return nx.XferHandle(handle=None, label=label, peer="p", num_descs=1, nbytes=10)
 
 
-def test_inflight_notifies_only_after_every_part_and_reports_once():
+def _transfers():
+    """(clock, fake agent, Transfers over them)."""
     from kvbridge_agent.nixl._inflight import Transfers
 
     clock = Clock()
     agent = FakeAgent()
-    t = Transfers(agent, clock=clock)
+    return clock, agent, Transfers(agent, clock=clock)
+
+
+def test_inflight_notifies_only_after_every_part_and_reports_once():
+    clock, agent, t = _transfers()
     req = t.begin("r", clock() + 5)
     t.post(req, _xfer("a"))
     t.post(req, _xfer("b"))
@@ -333,12 +338,8 @@ def test_inflight_notifies_only_after_every_part_and_reports_once():
 
 
 def test_inflight_part_done_in_its_post_is_released_and_the_request_ends_at_seal():
-    from kvbridge_agent.nixl._inflight import Transfers
-
-    clock = Clock()
-    agent = FakeAgent()
+    clock, agent, t = _transfers()
     agent.done.update({"a", "b"})
-    t = Transfers(agent, clock=clock)
     req = t.begin("r", clock() + 5)
     t.post(req, _xfer("a"), b"r:1")             # the notification rides on the READ
     assert agent.released == ["a"]               # released inside the post
@@ -359,12 +360,8 @@ def test_inflight_part_done_in_its_post_is_released_and_the_request_ends_at_seal
 
 
 def test_inflight_failed_post_releases_its_handle_with_the_request():
-    from kvbridge_agent.nixl._inflight import Transfers
-
-    clock = Clock()
-    agent = FakeAgent()
+    clock, agent, t = _transfers()
     agent.refuse_post.add("bad")
-    t = Transfers(agent, clock=clock)
     req = t.begin("r", clock() + 5)
     t.post(req, _xfer("ok"))
     with pytest.raises(nx.NixlCallError):
@@ -376,12 +373,8 @@ def test_inflight_failed_post_releases_its_handle_with_the_request():
 
 
 def test_inflight_deadline_fails_releases_and_holds_refused_handles():
-    from kvbridge_agent.nixl._inflight import Transfers
-
-    clock = Clock()
-    agent = FakeAgent()
+    clock, agent, t = _transfers()
     agent.refuse_release.add("stuck")
-    t = Transfers(agent, clock=clock)
     req = t.begin("r", clock() + 5)
     t.post(req, _xfer("ok"))
     t.post(req, _xfer("stuck"))
