@@ -255,9 +255,6 @@ class Transfers:
         with TIMEOUT. Raises KeyError for an unknown (or already reported) request, and
         TimeoutError if it cannot be reported because a handle refuses to be released."""
         req = self._reqs[request_id]
-        if req.result is not None:            # finished while it was started
-            self._pop(req)
-            return req.result
         req.deadline = min(req.deadline, deadline)
         polls = 0
         while True:
