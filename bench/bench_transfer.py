@@ -111,7 +111,7 @@ def _producer(conn, shapes) -> None:
 
 
 class Consumer:
-    def __init__(self, key: str, pool: Pool, mem_types: list[str], coalesce: bool) -> None:
+    def __init__(self, key: str, pool: Pool, mem_types: list[str]) -> None:
         from kvbridge_agent.nixl import (
             CPU_TEST_MEM_TYPES,
             AgentConfig,
@@ -124,7 +124,7 @@ class Consumer:
         self.pool = pool
         self.agent = NixlAgent(f"bench-d-{key}", AgentConfig(mem_types=CPU_TEST_MEM_TYPES))
         self.local = LocalEngine(self.agent, pool.views(mem_types), EngineFacts(f"bench-d-{key}"))
-        self.engine = PullEngine(self.local, timeout_s=60.0, coalesce=coalesce)
+        self.engine = PullEngine(self.local, timeout_s=60.0)   # coalescing: set per pull
         self._n = 0
 
     def pull(self, engine_id: str, lids: list[int], rids: list[int], coalesce: bool = False
@@ -271,12 +271,11 @@ def _median_rate(times: list[float], nbytes: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-#: The consumers each shape's cases use: key -> (memory types per region, coalescing).
+#: The consumers each shape's cases use: key -> memory types of their regions, in turn.
 CONSUMERS = {
-    "large": {"large": (["VRAM"], False)},
-    "ds": {"ds": (["VRAM"], False),
-           "ds-mixed": (["VRAM", "DRAM"], False)},
-    "small": {"small": (["VRAM"], False)},
+    "large": {"large": ["VRAM"]},
+    "ds": {"ds": ["VRAM"], "ds-mixed": ["VRAM", "DRAM"]},
+    "small": {"small": ["VRAM"]},
 }
 SHAPES = {
     "large": (1, 64, 4 << 20),                      # one 256 MiB region
@@ -316,8 +315,8 @@ def run_shape(shape: str, todo: dict[str, tuple[str, np.ndarray, np.ndarray]]) -
         raise TimeoutError("producer did not start")
     desc = conn.recv()[shape]
     dst, src = Pool(*dims, fill=0), Pool(*dims, fill=3)   # src: the memcpy baseline's
-    consumers = {key: Consumer(key, dst, mem_types, coalesce=co)
-                 for key, (mem_types, co) in CONSUMERS[shape].items()}
+    consumers = {key: Consumer(key, dst, mem_types)
+                 for key, mem_types in CONSUMERS[shape].items()}
     try:
         for c in consumers.values():
             c.engine.add_remote(desc)
