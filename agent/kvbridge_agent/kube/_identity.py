@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 ENV_POD_NAME = "POD_NAME"
@@ -12,6 +13,31 @@ ENV_POD_UID = "POD_UID"
 ENV_POD_NAMESPACE = "POD_NAMESPACE"
 ENV_NODE_NAME = "NODE_NAME"
 ENV_POD_IP = "POD_IP"
+#: Where the pod's labels are read from: a downwardAPI volume item of ``metadata.labels``.
+ENV_POD_LABELS_FILE = "KVBRIDGE_POD_LABELS_FILE"
+DEFAULT_POD_LABELS_FILE = "/etc/podinfo/labels"
+
+
+class PodLabelsError(ValueError):
+    """The labels file is not in the downward API's ``key="value"`` format."""
+
+
+def parse_pod_labels(text: str, source: str = "labels file") -> dict[str, str]:
+    """The downward API's rendering of ``metadata.labels``: one ``key="value"`` per line.
+
+    Label keys and values never need escaping (values are at most 63 of ``[A-Za-z0-9._-]``),
+    so the quotes are the only syntax.
+    """
+    labels: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        key, sep, quoted = line.partition("=")
+        if not sep or not key or len(quoted) < 2 or quoted[0] != '"' or quoted[-1] != '"':
+            raise PodLabelsError(f"{source}, line {number}: expected key=\"value\" (a "
+                                 f"downwardAPI item of metadata.labels), got {line!r}")
+        labels[key] = quoted[1:-1]
+    return labels
 
 
 @dataclass(frozen=True)
@@ -28,15 +54,27 @@ class PodIdentity:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PodIdentity:
         """From ``POD_NAME``, ``POD_UID``, ``POD_NAMESPACE`` (required), ``NODE_NAME`` and
-        ``POD_IP`` (optional), as the example pod template sets them via the downward API."""
+        ``POD_IP`` (optional), as the example pod template sets them via the downward API.
+
+        The labels, which the KVEndpoint carries so that KVTransfer selectors can match it,
+        come from ``$KVBRIDGE_POD_LABELS_FILE`` (default ``/etc/podinfo/labels``, a
+        downwardAPI volume item of ``metadata.labels``); none when that file does not exist.
+        """
         env = os.environ if env is None else env
         missing = [k for k in (ENV_POD_NAME, ENV_POD_UID, ENV_POD_NAMESPACE) if not env.get(k)]
         if missing:
             raise ValueError(
                 f"pod identity: environment variables {missing} are not set; expose them with "
                 "the downward API (fieldRef metadata.name, metadata.uid, metadata.namespace)")
+        labels_file = env.get(ENV_POD_LABELS_FILE) or DEFAULT_POD_LABELS_FILE
+        try:
+            text = Path(labels_file).read_text()
+        except FileNotFoundError:
+            labels: dict[str, str] = {}
+        else:
+            labels = parse_pod_labels(text, labels_file)
         return cls(env[ENV_POD_NAME], env[ENV_POD_UID], env[ENV_POD_NAMESPACE],
-                   env.get(ENV_NODE_NAME, ""), env.get(ENV_POD_IP, ""))
+                   env.get(ENV_NODE_NAME, ""), env.get(ENV_POD_IP, ""), labels)
 
     def owner_reference(self) -> dict[str, Any]:
         return {"apiVersion": "v1", "kind": "Pod", "name": self.name, "uid": self.uid,

@@ -192,8 +192,13 @@ class KVBridgeWorker:
         from ..kube import EndpointPublisher, EndpointSync, PodIdentity, api_client
 
         assert self.service is not None
+        pod = PodIdentity.from_env()
+        if not pod.labels:
+            log.warning("kvbridge: no pod labels (mount a downwardAPI item of metadata.labels at "
+                        "$KVBRIDGE_POD_LABELS_FILE, default /etc/podinfo/labels): the "
+                        "KVEndpoint carries none, so a KVTransfer selector will not match it")
         self.sync = EndpointSync(
-            self.service, EndpointPublisher(api_client(), PodIdentity.from_env()), transfer,
+            self.service, EndpointPublisher(api_client(), pod), transfer,
             interval_s=float(env.get("KVBRIDGE_SYNC_INTERVAL_S", "1.0"))).start()
 
     # -- the decode side: pulls ---------------------------------------------------------------
