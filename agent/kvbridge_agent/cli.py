@@ -297,7 +297,35 @@ def _at(values: Sequence[Any] | None, i: int) -> str:
     return "-" if values is None or i >= len(values) else str(values[i])
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_probe]
+def _write_test_model(args: argparse.Namespace) -> int:
+    from ._testmodel import write_test_model
+
+    try:
+        out = write_test_model(args.directory, seed=args.seed)
+    except OSError as exc:
+        raise _Failure(EXIT_USAGE, f"cannot write {args.directory}: {exc}") from exc
+    print(out)
+    return EXIT_OK
+
+
+def _add_write_test_model(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "write-test-model",
+        help="write a tiny Llama with seeded random weights (for tests and demos only)",
+        description="Write a 2-layer Llama checkpoint (float32, seeded random weights, a\n"
+        "byte-level tokenizer with a chat template) that vLLM serves without any download.\n"
+        "The same seed writes the same bytes everywhere, so pods that each write their own\n"
+        "copy serve one model. It exists for tests and demos: its answers are noise, but\n"
+        "a P/D transfer that delivered wrong KV changes them. Real pods mount their model.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("directory", type=Path, help="where to write it (created if missing)")
+    p.add_argument("--seed", type=int, default=0, help="weights' random seed (default 0)")
+    p.set_defaults(func=_write_test_model)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_probe, _add_write_test_model]
 """Each entry adds one subparser and sets ``func(args) -> int`` as its default."""
 
 

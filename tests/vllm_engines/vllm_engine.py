@@ -66,7 +66,6 @@ NIXL_PROGRESS_DELAY_US = 100
 
 NIXL_ALIASES = ("", "._api", "._bindings", "._utils", ".logging")
 
-LLAMA_LAYERS = 2
 HYBRID_LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 HYBRID_SLIDING_WINDOW = 64
 
@@ -126,27 +125,12 @@ def protocol_stdout() -> TextIO:
 
 # -- model writer ---------------------------------------------------------------------------
 def model_config(kind: str) -> dict[str, Any]:
-    """A tiny Llama config; ``hybrid`` interleaves sliding-window and full-attention layers,
-    which the hybrid KV cache manager splits into two KV cache groups."""
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "num_hidden_layers": LLAMA_LAYERS,
-        "vocab_size": 512,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
+    """The project's tiny Llama (``kvbridge write-test-model``); ``hybrid`` interleaves
+    sliding-window and full-attention layers, which the hybrid KV cache manager splits into
+    two KV cache groups."""
+    from kvbridge_agent._testmodel import CONFIG
+
+    config = dict(CONFIG)
     if kind == "hybrid":
         config["num_hidden_layers"] = len(HYBRID_LAYER_TYPES)
         config["layer_types"] = list(HYBRID_LAYER_TYPES)
@@ -188,49 +172,17 @@ def write_mla_model(out: Path, seed: int, std: float) -> dict[str, Any]:
 
 
 def write_model(out: Path, kind: str, seed: int, std: float = 0.08) -> dict[str, Any]:
-    """Write config.json and seeded random float32 weights (no tokenizer).
+    """Write config.json and seeded random float32 weights (and the project's tokenizer).
 
     Random weights, not vLLM's dummy loader: with dummy weights the greedy tokens depend only
     on the last prompt token, so a transfer that delivered wrong KV would still "match".
     """
     if kind == "mla":
         return write_mla_model(out, seed, std)
-    import torch
-    from safetensors.torch import save_file
+    from kvbridge_agent import _testmodel
 
     config = model_config(kind)
-    h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    hd = config["head_dim"]
-    q_out, kv_out = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float32) * std
-
-    def norm() -> torch.Tensor:
-        return 1.0 + rand(h)
-
-    tensors: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": rand(v, h),
-        "model.norm.weight": norm(),
-        "lm_head.weight": rand(v, h),
-    }
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        tensors.update({
-            f"{p}.input_layernorm.weight": norm(),
-            f"{p}.post_attention_layernorm.weight": norm(),
-            f"{p}.self_attn.q_proj.weight": rand(q_out, h),
-            f"{p}.self_attn.k_proj.weight": rand(kv_out, h),
-            f"{p}.self_attn.v_proj.weight": rand(kv_out, h),
-            f"{p}.self_attn.o_proj.weight": rand(h, q_out),
-            f"{p}.mlp.gate_proj.weight": rand(inter, h),
-            f"{p}.mlp.up_proj.weight": rand(inter, h),
-            f"{p}.mlp.down_proj.weight": rand(h, inter),
-        })
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _testmodel.write_test_model(out, seed=seed, config=config)
     return config
 
 
@@ -635,6 +587,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "write-model":
+        sys.path.insert(0, str(REPO / "agent"))   # the checkout's writer, not the venv's copy
         config = write_model(args.dir, args.kind, args.seed)
         print(json.dumps({"ok": True, "dir": str(args.dir), "layers": config["num_hidden_layers"]}))
         return 0
