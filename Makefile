@@ -26,16 +26,17 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 lint: venv
-	$(BIN)/ruff check agent operator tests bench
+	$(BIN)/ruff check agent operator router tests bench demo
 
 # A real kube-apiserver, kube-controller-manager and etcd for the operator, chart and e2e
 # tests; the first build takes ~7-10 minutes and is cached under /var/cache/kvbridge.
 test-stack: venv
 	PYTHON=$(PY) bash hack/test-stack.sh ensure
 
-# The images the real-node tests run (tests/node): the operator and agent images from the
+# The images the real-node tests run (tests/node): the operator, agent and vLLM images from the
 # Dockerfile, built with buildah over a Debian base made here, and the pod sandbox image.
-# ~3 minutes the first time, rebuilt when their sources change; cached under /var/cache/kvbridge.
+# ~3 minutes the first time (and ~5 more for the vLLM serving image), rebuilt when their
+# sources change; cached under /var/cache/kvbridge.
 node-images: test-stack
 	bash hack/node-images.sh ensure
 

@@ -5,19 +5,24 @@
 #   localhost/kvbridge-operator:dev  the repository's Dockerfile, --target operator
 #   localhost/kvbridge-agent:dev     the repository's Dockerfile, --target agent (NIXL + the
 #                                    demo's pod_agent.py as entrypoint)
+#   localhost/kvbridge-vllm:dev      the repository's Dockerfile, --target vllm (vLLM 0.30.0's
+#                                    CPU build + NIXL + kvbridge[vllm]: the serving pods of
+#                                    examples/serving/); CPU torch from the host's local wheel
+#                                    folder ($WHEELS, mounted read-only into the build)
 #   registry.k8s.io/pause:3.6        containerd 1.6's default sandbox image: hack/pause.c,
 #                                    static, alone in a scratch image
 # Both Dockerfile targets are built with buildah over a base made from Debian's archive:
 # debootstrap --variant=minbase bookworm + python3, python3-venv, python3-pip, ca-certificates,
+# libnuma1 (vLLM's CPU kernels link it),
 # as localhost/kvbridge-base:bookworm (--build-arg BASE=...).
 #
 # Usage (as root on Debian 12 bookworm, with buildah, debootstrap, gcc and libc6-dev):
 #   hack/node-images.sh ensure   # build whatever is missing or stale (idempotent)
 #   hack/node-images.sh paths    # print KEY=VALUE lines: the archives and the image names
-#   hack/node-images.sh check    # exit 0 when all three archives are present and current
+#   hack/node-images.sh check    # exit 0 when all four archives are present and current
 #
 # Everything lives outside the repository (never commit it), under $KVB_CACHE/node:
-#   images/{operator,agent,pause}.tar   the archives; each NAME.key beside holds the hash of
+#   images/{operator,agent,vllm,pause}.tar  the archives; each NAME.key beside holds the hash of
 #                                       its inputs, and a stale or missing one is rebuilt
 #   images/base-bookworm.{tar,recipe,id}  the base image, rebuilt only when BASE_RECIPE changes
 #                                       (debootstrap takes a minute or two)
@@ -28,8 +33,9 @@
 #                                       proxy this machine reaches PyPI through strips caching
 #                                       headers, so pip's HTTP cache stays empty here; its
 #                                       ~200 MB/s make the re-download cost about a second)
-# The operator and agent archives are keyed by Dockerfile, .dockerignore, pyproject.toml,
-# README.md, agent/, operator/, demo/{pod_agent,bridge}.py, this script and the base image;
+# Each of the operator, agent and vllm archives is keyed by its inputs (Dockerfile,
+# .dockerignore, pyproject.toml, README.md, agent/; operator/ and router/ for the operator
+# and agent; demo/{pod_agent,bridge}.py for the agent), this script and the base image;
 # the pause archive by hack/pause.c and this script. KVB_CACHE=/some/dir builds elsewhere.
 #
 # The image name inside each archive is its org.opencontainers.image.ref.name annotation, a
@@ -37,8 +43,9 @@
 # `ctr -n k8s.io images ls` lists localhost/kvbridge-agent:dev etc.), which is what the kubelet
 # asks for with imagePullPolicy: Never/IfNotPresent.
 #
-# First run: ~3-4 minutes on 2 cores (debootstrap, two pip installs); unchanged: well under a
-# second; a source change: ~1.5 minutes (both images, the base is kept).
+# First run: ~3-4 minutes on 2 cores for the base, operator and agent (debootstrap, two pip
+# installs), and ~6 more for vllm (a 2 GB install, a 1.5 GB archive); unchanged: well under a
+# second; a source change: ~1.5 minutes for operator and agent, ~6 for vllm (the base is kept).
 set -euo pipefail
 
 KVB_CACHE="${KVB_CACHE:-/var/cache/kvbridge}"
@@ -61,7 +68,7 @@ HOST_CA=/etc/ssl/certs/ca-certificates.crt
 
 SUITE=bookworm
 MIRROR=http://deb.debian.org/debian
-BASE_PACKAGES=(python3 python3-venv python3-pip ca-certificates)
+BASE_PACKAGES=(python3 python3-venv python3-pip ca-certificates libnuma1)
 # Bump the trailing number to force a new base (and so new operator/agent images).
 BASE_RECIPE="debootstrap-minbase-$SUITE+${BASE_PACKAGES[*]}+no-docs+2"
 BASE_IMAGE="localhost/kvbridge-base:$SUITE"
@@ -69,10 +76,17 @@ BASE_TAR="$IMG_DIR/base-$SUITE.tar"
 
 IMAGE_OPERATOR=localhost/kvbridge-operator:dev
 IMAGE_AGENT=localhost/kvbridge-agent:dev
+IMAGE_VLLM=localhost/kvbridge-vllm:dev
+# The CPU build of torch 2.13.0 lies in this folder on these machines (pip's find-links); a
+# plain `torch` from PyPI would be a multi-GB CUDA build.
+WHEELS="${KVB_WHEELS:-/opt/wheels}"
 IMAGE_PAUSE=registry.k8s.io/pause:3.6
-# Files and folders (relative to the repository) the Dockerfile's targets are built from.
-APP_INPUTS=(Dockerfile .dockerignore pyproject.toml README.md agent operator
-            demo/pod_agent.py demo/bridge.py)
+# Files and folders (relative to the repository) each Dockerfile target is built from. The
+# vllm image is the slow one (~5 minutes): it depends on the agent only.
+COMMON_INPUTS=(Dockerfile .dockerignore pyproject.toml README.md agent)
+OPERATOR_INPUTS=("${COMMON_INPUTS[@]}" operator router)
+AGENT_INPUTS=("${COMMON_INPUTS[@]}" operator router demo/pod_agent.py demo/bridge.py)
+VLLM_INPUTS=("${COMMON_INPUTS[@]}")
 
 log() { printf '[node-images %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -97,9 +111,10 @@ hash_inputs() {
     ) | sha256sum | awk '{print $1}'
 }
 
+# app_key TARGET: the hash of TARGET's inputs, this script and the base image.
 app_key() {
-    local inputs script base_id
-    inputs="$(hash_inputs "$REPO" "${APP_INPUTS[@]}")"
+    local inputs script base_id var="${1^^}_INPUTS[@]"
+    inputs="$(hash_inputs "$REPO" "${!var}")"
     script="$(sha256sum "$SCRIPT" | awk '{print $1}')"
     base_id="$(cat "$IMG_DIR/base-$SUITE.id" 2>/dev/null || echo none)"
     printf 'inputs=%s script=%s base=%s recipe=%s\n' "$inputs" "$script" "$base_id" \
@@ -123,8 +138,8 @@ base_archive_ok() {
 
 all_ok() {
     local key
-    key="$(app_key)"
-    archive_ok operator "$key" && archive_ok agent "$key" && archive_ok pause "$(pause_key)"
+    archive_ok operator "$(app_key operator)" && archive_ok agent "$(app_key agent)" \
+        && archive_ok vllm "$(app_key vllm)" && archive_ok pause "$(pause_key)"
 }
 
 # push_archive IMAGE NAME: write $IMG_DIR/NAME.tar (OCI archive, ref.name IMAGE), atomically.
@@ -192,12 +207,14 @@ new_container() {
     bh from --pull=never --name "$1" "$2"
 }
 
-# build_target TARGET IMAGE NAME: the Dockerfile's TARGET as IMAGE, archived as NAME.tar.
+# build_target TARGET IMAGE NAME [BUD ARGS...]: the Dockerfile's TARGET as IMAGE, archived as
+# NAME.tar.
 build_target() {
     local target="$1" image="$2" name="$3" start=$SECONDS
+    shift 3
     log "buildah bud --target $target -> $image"
     mkdir -p "$PIP_CACHE"
-    if ! bh bud --isolation chroot --network host --pull=never \
+    if ! bh bud --isolation chroot --network host --pull=never "$@" \
             --build-arg "BASE=$BASE_IMAGE" --volume "$PIP_CACHE:/root/.cache/pip" \
             --volume "$HOST_CA:$HOST_CA:ro" --build-arg "PIP_CERT=$HOST_CA" \
             --target "$target" -t "$image" -f "$REPO/Dockerfile" "$REPO" \
@@ -211,19 +228,28 @@ build_target() {
     log "archived $IMG_DIR/$name.tar in $((SECONDS - start)) s ($(du -h "$IMG_DIR/$name.tar" | cut -f1))"
 }
 
-build_apps() {
-    build_base
-    local key
-    key="$(app_key)"   # after build_base: it names the base image's id
-    if archive_ok operator "$key" && archive_ok agent "$key"; then
-        log "operator and agent archives current"
+# ensure_target TARGET IMAGE [BUD ARGS...]: build TARGET unless its archive is current; the key
+# is written last, so an interrupted build is not taken for a current one.
+ensure_target() {
+    local target="$1" image="$2" key
+    shift 2
+    key="$(app_key "$target")"   # after build_base: it names the base image's id
+    if archive_ok "$target" "$key"; then
+        log "$target archive current"
         return 0
     fi
-    rm -f "$IMG_DIR/operator.key" "$IMG_DIR/agent.key"
-    build_target agent "$IMAGE_AGENT" agent
-    build_target operator "$IMAGE_OPERATOR" operator
-    echo "$key" > "$IMG_DIR/agent.key"
-    echo "$key" > "$IMG_DIR/operator.key"
+    rm -f "$IMG_DIR/$target.key"
+    build_target "$target" "$image" "$target" "$@"
+    echo "$key" > "$IMG_DIR/$target.key"
+}
+
+build_apps() {
+    build_base
+    ensure_target agent "$IMAGE_AGENT"
+    ensure_target operator "$IMAGE_OPERATOR"
+    [ -d "$WHEELS" ] || die "$WHEELS (KVB_WHEELS) not found: the CPU torch wheel folder"
+    ensure_target vllm "$IMAGE_VLLM" --volume "$WHEELS:$WHEELS:ro" \
+        --build-arg "PIP_FIND_LINKS=$WHEELS" --build-arg TORCH_INDEX=
 }
 
 build_pause() {
@@ -252,9 +278,11 @@ print_paths() {
     cat <<EOF
 KVB_IMAGE_OPERATOR_TAR=$IMG_DIR/operator.tar
 KVB_IMAGE_AGENT_TAR=$IMG_DIR/agent.tar
+KVB_IMAGE_VLLM_TAR=$IMG_DIR/vllm.tar
 KVB_IMAGE_PAUSE_TAR=$IMG_DIR/pause.tar
 KVB_IMAGE_OPERATOR=$IMAGE_OPERATOR
 KVB_IMAGE_AGENT=$IMAGE_AGENT
+KVB_IMAGE_VLLM=$IMAGE_VLLM
 KVB_IMAGE_PAUSE=$IMAGE_PAUSE
 EOF
 }

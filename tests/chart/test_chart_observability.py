@@ -32,7 +32,7 @@ pytestmark = needs_helm
 ALERTS = {
     "KVBridgeTransferDegraded", "KVBridgeTransferNotReady", "KVBridgeIncompatibleEndpoints",
     "KVBridgeHandshakeFailures", "KVBridgeTransferFailures", "KVBridgeOperatorAbsent",
-    "KVBridgeOperatorNotReconciling",
+    "KVBridgeOperatorNotReconciling", "KVBridgeRouterNoVerifiedPair", "KVBridgeRouterFailures",
 }
 #: Values for every dashboard variable, for checks that need plain PromQL.
 DASH_VARS = {"namespace": "serving", "transfer": "kvt", "job": "kvbridge-metrics",
@@ -105,8 +105,10 @@ def test_every_metric_queried_is_exported(rules: dict) -> None:
 
     from kvbridge_agent import metrics as agent_metrics
     from kvbridge_operator import metrics as operator_metrics  # noqa: F401 - registers them
+    from kvbridge_router import metrics as router_metrics
 
-    exported = {m.name for r in (REGISTRY, agent_metrics.REGISTRY) for m in r.collect()}
+    exported = {m.name for r in (REGISTRY, agent_metrics.REGISTRY, router_metrics.REGISTRY)
+                for m in r.collect()}  # fmt: skip
     used = _metric_names(DASHBOARD.read_text()) | _metric_names(json.dumps(rules))
     missing = {n for n in used if _family(n) not in exported}
     assert not missing, f"queried but exported by neither the operator nor the agent: {missing}"
@@ -121,7 +123,9 @@ def test_dashboard_covers_the_topology_handshakes_transfers_and_operator() -> No
         "kvbridge_agent_handshakes", "kvbridge_agent_transfer_bytes",
         "kvbridge_agent_transfer_descriptors", "kvbridge_agent_transfer_seconds",
         "kvbridge_agent_transfer_failures", "kvbridge_reconcile_duration_seconds",
-        "kvbridge_admission_refusals", "kvbridge_agent_info",
+        "kvbridge_admission_refusals", "kvbridge_agent_info", "kvbridge_router_requests",
+        "kvbridge_router_retries", "kvbridge_router_verified_pairs",
+        "kvbridge_router_time_to_first_token_seconds", "kvbridge_router_info",
     } <= used
     dash = json.loads(DASHBOARD.read_text())
     names = [v["name"] for v in dash["templating"]["list"]]

@@ -198,6 +198,7 @@ def test_schema_rejects_bad_values(sets: list[str], fragment: str) -> None:
 # Values that are Kubernetes structs passed through as a whole: one comment covers the block.
 K8S_STRUCTS = {
     "operator.resources",
+    "router.resources",
     "operator.livenessProbe",
     "operator.readinessProbe",
     "networkPolicy.podSelector",
@@ -389,10 +390,10 @@ def test_agent_objects_per_namespace(rendered: dict) -> None:
 @pytest.mark.parametrize("name", VALUES)
 def test_containers_are_locked_down(name: str, rendered: dict) -> None:
     objs = rendered[name]
-    dep = one(objs, "Deployment")
-    pod = dep["spec"]["template"]["spec"]
-    assert pod["securityContext"]["runAsNonRoot"] is True
-    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for dep in by_kind(objs, "Deployment"):
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     for c in iter_containers(objs):
         sc = c["securityContext"]
         assert sc["runAsNonRoot"] is True
@@ -401,6 +402,9 @@ def test_containers_are_locked_down(name: str, rendered: dict) -> None:
         assert sc["capabilities"] == {"drop": ["ALL"]}
         assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
         assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+        if c["name"] == "router":
+            assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+            continue
         assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
         assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
         assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
@@ -671,28 +675,47 @@ def test_examples_fit_the_chart() -> None:
     assert {"metadata.name", "metadata.uid", "status.podIP"} <= fields
 
 
-def test_vllm_pod_example_loads_the_connector_with_one_flag() -> None:
-    """examples/vllm-pod.yaml: a valid Pod that runs ``vllm serve`` with KVBridgeConnector,
-    the chart's agent ServiceAccount and labels, and the downward-API variables."""
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_serving_examples_load_the_connector_with_one_flag(role: str) -> None:
+    """examples/serving/: valid Deployments running ``vllm serve`` with KVBridgeConnector,
+    the chart's agent ServiceAccount and labels, the downward-API variables, readiness on
+    /health, and pods the example KVTransfer's selector picks."""
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    (pod,) = yaml.safe_load_all((REPO / "examples" / "vllm-pod.yaml").read_text())
-    _validate_k8s(pod)
+    serving = REPO / "examples" / "serving"
+    (kvt,) = yaml.safe_load_all((serving / "kvtransfer.yaml").read_text())
+    jsonschema.validate(kvt, _crd_schemas()[("kvbridge.io/v1alpha1", "KVTransfer")])
+    (dep,) = yaml.safe_load_all((serving / f"{role}.yaml").read_text())
+    _validate_k8s(dep)
+    pod = dep["spec"]["template"]
     assert pod["spec"]["serviceAccountName"] == one(render(), "ServiceAccount",
                                                     "kvbridge-agent")["metadata"]["name"]
+    labels = pod["metadata"]["labels"]
     for key, val in values["networkPolicy"]["podSelector"]["matchLabels"].items():
-        assert pod["metadata"]["labels"][key] == val
+        assert labels[key] == val
+    assert kvt["spec"][role]["selector"]["matchLabels"].items() <= labels.items()
     (container,) = pod["spec"]["containers"]
     cmd = container["command"]
     assert cmd[:2] == ["vllm", "serve"]
     config = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
     assert config == {"kv_connector": "KVBridgeConnector",
-                      "kv_connector_module_path": "kvbridge_agent.vllm", "kv_role": "kv_both"}
+                      "kv_connector_module_path": "kvbridge_agent.vllm", "kv_role": "kv_both",
+                      "kv_buffer_device": "cpu"}
     env = {e["name"]: e for e in container["env"]}
     fields = {e["valueFrom"]["fieldRef"]["fieldPath"] for e in env.values() if "valueFrom" in e}
     assert {"metadata.name", "metadata.uid", "metadata.namespace", "status.podIP"} <= fields
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == str(
-        values["networkPolicy"]["sideChannelPort"])
-    assert {"KVBRIDGE_TRANSFER", "KVBRIDGE_ROLE"} <= set(env)
+        values["networkPolicy"]["sideChannelPort"]) == str(kvt["spec"]["sideChannelPort"])
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["value"] == "$(POD_IP)"
+    assert (env["KVBRIDGE_TRANSFER"]["value"], env["KVBRIDGE_ROLE"]["value"]) == (
+        kvt["metadata"]["name"], role)
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    # The pod's labels reach the connector, which copies them onto its KVEndpoint.
+    (podinfo,) = [v for v in pod["spec"]["volumes"] if v["name"] == "podinfo"]
+    assert podinfo["downwardAPI"]["items"] == [
+        {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]
+    assert {"name": "podinfo", "mountPath": "/etc/podinfo", "readOnly": True} in container[
+        "volumeMounts"]
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
 def test_package(tmp_path: Path) -> None:
@@ -715,3 +738,38 @@ def test_package(tmp_path: Path) -> None:
     } <= names
     assert all(n.startswith(("crds/", "templates/", "dashboards/")) or "/" not in n
                for n in names), names
+
+
+def test_router(rendered: dict) -> None:
+    """router.enabled: a Deployment running kvbridge-router for one KVTransfer, Ready on
+    /health, behind a Service, whose ServiceAccount may only read KVTransfers and KVEndpoints
+    in its namespace."""
+    objs = rendered["router"]
+    dep = one(objs, "Deployment", "kvbridge-router")
+    assert dep["metadata"]["namespace"] == "serving"
+    spec = dep["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert container["command"][0] == "kvbridge-router"
+    assert "--transfer=llama-70b" in container["command"]
+    assert "--namespace=serving" in container["command"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert spec["serviceAccountName"] == "kvbridge-router"
+    role = one(objs, "Role", "kvbridge-router")
+    assert role["metadata"]["namespace"] == "serving"
+    assert expand_rules(role["rules"]) == expand_rules([{
+        "apiGroups": ["kvbridge.io"], "resources": ["kvtransfers", "kvendpoints"],
+        "verbs": ["get", "list", "watch"]}])
+    binding = one(objs, "RoleBinding", "kvbridge-router")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvbridge-router",
+                                    "namespace": "serving"}]
+    service = one(objs, "Service", "kvbridge-router")
+    assert service["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    monitor = one(objs, "PodMonitor", "kvbridge-router")
+    assert monitor["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+    assert not [o for o in rendered["defaults"] if "router" in o["metadata"]["name"]]
+
+
+def test_router_needs_its_transfer() -> None:
+    with pytest.raises(HelmError, match="/router/transfer"):
+        helm("template", "x", str(CHART), "--set", "router.enabled=true")

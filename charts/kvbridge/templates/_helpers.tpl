@@ -54,6 +54,17 @@ app.kubernetes.io/component: operator
 app.kubernetes.io/component: operator
 {{- end }}
 
+{{/* Labels of the P/D router's objects. */}}
+{{- define "kvbridge.routerLabels" -}}
+{{ include "kvbridge.labels" . }}
+app.kubernetes.io/component: router
+{{- end }}
+
+{{- define "kvbridge.routerSelectorLabels" -}}
+{{ include "kvbridge.selectorLabels" . }}
+app.kubernetes.io/component: router
+{{- end }}
+
 {{/* Labels of the objects granted to the serving pods (agent side). */}}
 {{- define "kvbridge.agentLabels" -}}
 {{ include "kvbridge.labels" . }}

@@ -1,0 +1,214 @@
+"""kvbridge-router against the same two calls made directly by the client, on the same real
+vLLM engines and prompts.
+
+Engines: a prefill and a decode ``vllm serve`` OpenAI server (the vLLM venv of
+hack/vllm-venv.sh, the CPU build, KVBridgeConnector, the tiny test model of
+``kvbridge write-test-model``), each its own process. The router runs in a process of its
+own with a fixed routing table naming that pair (the table the KVTransfer watch would build;
+no control plane is involved), so the only difference between the two sides is the router's
+hop: parsing, pair choice, the prefill call, the decode call and the relay of the answer.
+
+At each concurrency (1, 8, 32) the client sends rounds of requests, alternating direct and
+routed rounds so that drift and noise hit both alike. Every request has a fresh prompt (no
+prefix-cache hit anywhere), ``max_tokens`` 8, non-streaming.
+
+- ``router.added_latency_p50.cN`` / ``_p99``: routed minus direct request latency at those
+  percentiles (ms; ``ratio`` = routed / direct; lower is better). Target: at most 2 ms at p50.
+- ``router.throughput.cN``: routed requests per second (``ratio`` = routed / direct; higher
+  is better). Target: at least 0.97.
+
+Never asserts on timing. ``loadavg_1m`` says how busy the machine was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "hack"))
+sys.path.insert(0, str(ROOT / "tests" / "vllm_engines"))
+sys.path.insert(0, str(ROOT / "demo"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import aiohttp  # noqa: E402
+import vllm_pods as vp  # noqa: E402
+from kvbridge_cluster import free_port  # noqa: E402
+from vllm_harness import vllm_python  # noqa: E402
+
+from _common import emit  # noqa: E402
+
+CONCURRENCY = (1, 8, 32)
+REQUESTS = int(os.environ.get("KVB_BENCH_ROUTER_REQUESTS", "64"))
+MAX_TOKENS = 8
+CONNECTOR = json.dumps({"kv_connector": "KVBridgeConnector",
+                        "kv_connector_module_path": "kvbridge_agent.vllm",
+                        "kv_role": "kv_both", "kv_buffer_device": "cpu"})  # fmt: skip
+
+
+def start_engine(model: Path, role: str, port: int, side: int, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "ERROR", "KVBRIDGE_ROLE": role,
+           "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side),
+           "PYTHONPATH": str(ROOT / "agent")}  # fmt: skip
+    for key in ("POD_NAME", "POD_UID", "KUBECONFIG"):
+        env.pop(key, None)
+    cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", vp.MODEL, "--port", str(port), "--dtype", "float32",
+           "--enforce-eager", "--block-size", "32", "--num-gpu-blocks-override", "256",
+           "--max-model-len", "1024", "--kv-transfer-config", CONNECTOR]  # fmt: skip
+    return subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+ROUTER = """
+import asyncio, sys
+from aiohttp import web
+from kvbridge_router.proxy import Router, RouterSettings
+from kvbridge_router.table import Engine, RoutingTable
+port, prefill, decode = (int(a) for a in sys.argv[1:4])
+table = RoutingTable({"d": ("p",)}, {
+    "p": Engine("p", "prefill", "127.0.0.1", ("p",), port=prefill),
+    "d": Engine("d", "decode", "127.0.0.1", ("d",), port=decode)})
+web.run_app(Router(lambda: table, RouterSettings()).app(), host="127.0.0.1", port=port,
+            print=None, access_log=None, handler_cancellation=True)
+"""
+
+
+async def wait_ready(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(1)
+    raise RuntimeError(f"{url} not ready within {timeout:.0f} s")
+
+
+def body(prompt: str, **extra: Any) -> dict[str, Any]:
+    return {"model": vp.MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, **extra}
+
+
+async def direct(s: aiohttp.ClientSession, prefill: str, decode: str, prompt: str) -> None:
+    async with s.post(f"{prefill}/v1/completions", json=body(
+            prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})) as r:
+        params = (await r.json())["kv_transfer_params"]
+    async with s.post(f"{decode}/v1/completions",
+                      json=body(prompt, kv_transfer_params=params)) as r:
+        assert r.status == 200, await r.text()
+        await r.read()
+
+
+async def routed(s: aiohttp.ClientSession, router: str, prompt: str) -> None:
+    async with s.post(f"{router}/v1/completions", json=body(prompt)) as r:
+        assert r.status == 200, await r.text()
+        await r.read()
+
+
+async def round_of(send: Any, prompts: list[str], concurrency: int) -> tuple[list[float], float]:
+    """Latencies of ``prompts`` sent ``concurrency`` at a time, and the round's wall time."""
+    latencies: list[float] = []
+    queue = list(prompts)
+
+    async def worker() -> None:
+        while queue:
+            prompt = queue.pop()
+            started = time.perf_counter()
+            await send(prompt)
+            latencies.append(time.perf_counter() - started)
+
+    began = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies, time.perf_counter() - began
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+async def measure(prefill: str, decode: str, router: str) -> None:
+    rng = random.Random(5)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        async def send_direct(p: str) -> None:
+            await direct(s, prefill, decode, p)
+
+        async def send_routed(p: str) -> None:
+            await routed(s, router, p)
+
+        await round_of(send_direct, vp.prompts(4, seed=1), 2)      # handshake, warm-up
+        await round_of(send_routed, vp.prompts(4, seed=2), 2)
+        for c in CONCURRENCY:
+            lat: dict[str, list[float]] = {"direct": [], "routed": []}
+            wall = {"direct": 0.0, "routed": 0.0}
+            for rep in range(4):
+                order = ("direct", "routed") if rep % 2 == 0 else ("routed", "direct")
+                for side in order:
+                    prompts = [f"r{rng.random():.9f} " + p
+                               for p in vp.prompts(REQUESTS // 4, seed=rng.randrange(10**6))]
+                    send = send_direct if side == "direct" else send_routed
+                    got, took = await round_of(send, prompts, c)
+                    lat[side] += got
+                    wall[side] += took
+            load = os.getloadavg()[0]
+            for q in (50, 99):
+                base, ours = percentile(lat["direct"], q), percentile(lat["routed"], q)
+                emit(f"router.added_latency_p{q}.c{c}", (ours - base) * 1e3, "ms",
+                     f"direct two calls p{q} {base * 1e3:.1f} ms", ours / base,
+                     routed_ms=ours * 1e3, direct_ms=base * 1e3, requests=len(lat["routed"]),
+                     loadavg_1m=load)  # fmt: skip
+            tput = {k: len(lat[k]) / wall[k] for k in wall}
+            emit(f"router.throughput.c{c}", tput["routed"], "req/s",
+                 f"direct two calls {tput['direct']:.1f} req/s",
+                 tput["routed"] / tput["direct"], higher_is_better=True, loadavg_1m=load)
+
+
+def main() -> int:
+    work = Path(tempfile.mkdtemp(prefix="kvb-bench-router-"))
+    from kvbridge_agent._testmodel import write_test_model
+
+    model = write_test_model(work / "model", seed=9)
+    ports = {n: free_port() for n in ("prefill", "decode", "router", "pside", "dside")}
+    procs = [
+        start_engine(model, "prefill", ports["prefill"], ports["pside"], work / "prefill.log"),
+        start_engine(model, "decode", ports["decode"], ports["dside"], work / "decode.log"),
+        subprocess.Popen([sys.executable, "-c", ROUTER, str(ports["router"]),
+                          str(ports["prefill"]), str(ports["decode"])],
+                         stdout=(work / "router.log").open("wb"), stderr=subprocess.STDOUT),
+    ]  # fmt: skip
+    url = {n: f"http://127.0.0.1:{ports[n]}" for n in ("prefill", "decode", "router")}
+    try:
+        async def run() -> None:
+            for n in ("prefill", "decode"):
+                await wait_ready(f"{url[n]}/health", 300)
+            await wait_ready(f"{url['router']}/health", 30)
+            await measure(url["prefill"], url["decode"], url["router"])
+        asyncio.run(run())
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    print(f"bench_router: logs in {work}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""vLLM serving pods on a real node (hack/kvbridge_node.py): the manifests of
+examples/serving/ as a node here runs them, and the P/D request flow vLLM documents, sent to
+the pods' OpenAI HTTP ports. Used by ``make demo`` and tests/node/test_vllm_serving.py.
+
+The example files are applied as written except for the image, which on this machine is the
+locally built ``localhost/kvbridge-vllm:dev``: nothing else may differ, so the examples cannot
+rot unnoticed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SERVING = REPO / "examples" / "serving"
+TRANSFER = "tiny-llama"
+MODEL = "tiny-llama"
+HTTP_PORT = 8000
+METRICS_PORT = 9400
+#: The image the example files name; a node here runs the local build under another name.
+EXAMPLE_IMAGE = "kvbridge-vllm-cpu:0.1.0"
+#: Words that the test model's byte-level tokenizer splits into different tokens.
+WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
+         "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo",
+         "sierra", "tango", "uniform", "victor", "whiskey", "xray")
+
+
+def manifests(image: str) -> dict[str, dict[str, Any]]:
+    """examples/serving/*.yaml by file stem, every container's image set to ``image``."""
+    out = {}
+    for path in sorted(SERVING.glob("*.yaml")):
+        doc = yaml.safe_load(path.read_text())
+        for container in _containers(doc):
+            if container["image"] != EXAMPLE_IMAGE:
+                raise ValueError(f"{path}: container {container['name']} runs "
+                                 f"{container['image']!r}, expected {EXAMPLE_IMAGE!r}")
+            container["image"] = image
+            container["imagePullPolicy"] = "Never"
+        out[path.stem] = doc
+    return out
+
+
+def _containers(doc: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    spec = doc["spec"]["template"]["spec"] if doc["kind"] == "Deployment" else doc.get("spec")
+    if doc["kind"] in ("Deployment", "Pod"):
+        yield from spec.get("initContainers", [])
+        yield from spec["containers"]
+
+
+def incompatible_decode(decode: dict[str, Any], name: str, dtype: str = "bfloat16"
+                        ) -> dict[str, Any]:  # fmt: skip
+    """A bare decode Pod from the decode Deployment's template whose KV cache has another
+    dtype: the operator must refuse it before it gets any request. (A different block size
+    would not do: vLLM 0.30.0 pairs engines of different block sizes, and so does kvbridge.)
+    Not adopted by the Deployment's ReplicaSet, whose selector adds pod-template-hash."""
+    template = copy.deepcopy(decode["spec"]["template"])
+    container = template["spec"]["containers"][0]
+    container["command"] = [f"--dtype={dtype}" if a.startswith("--dtype=") else a
+                            for a in container["command"]]  # fmt: skip
+    labels = {**template["metadata"]["labels"], "kvbridge.io/variant": f"kv-{dtype}"}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": labels}, "spec": template["spec"]}
+
+
+def prompts(count: int, seed: int, words: int = 40) -> list[str]:
+    """Seeded prompts of random words (different contexts, so a wrong KV shows)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(words + 7 * i)) for i in range(count)]
+
+
+class EngineError(RuntimeError):
+    """A vLLM pod answered an error or could not be reached; the message has its reply."""
+
+
+def post(ip: str, path: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+    request = urllib.request.Request(f"http://{ip}:{HTTP_PORT}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return json.load(reply)
+    except urllib.error.HTTPError as exc:
+        raise EngineError(f"{ip}{path}: HTTP {exc.code}: {exc.read()[:500]!r}") from exc
+    except OSError as exc:
+        raise EngineError(f"{ip}{path}: {exc}") from exc
+
+
+def complete(ip: str, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A greedy completion; ``choices[0]["token_ids"]`` carries the generated token ids."""
+    return post(ip, "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True, **extra})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PDResult:
+    token_ids: list[int]
+    text: str
+    #: what the prefill returned and the decode received
+    kv_transfer_params: dict[str, Any]
+    prompt_tokens: int
+
+
+def pd_complete(prefill_ip: str, decode_ip: str, prompt: str, max_tokens: int) -> PDResult:
+    """vLLM's P/D flow: the prefill computes the prompt for one token with
+    ``do_remote_decode``; its ``kv_transfer_params`` (``do_remote_prefill`` set) make the
+    decode request, which pulls the prompt's KV from the prefill instead of computing it."""
+    first = complete(prefill_ip, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    params = first.get("kv_transfer_params")
+    if not params or not params.get("do_remote_prefill"):
+        raise EngineError(f"prefill {prefill_ip} returned no kv_transfer_params: {first}")
+    answer = complete(decode_ip, prompt, max_tokens, kv_transfer_params=params)
+    choice = answer["choices"][0]
+    return PDResult(choice["token_ids"], choice["text"], params,
+                    answer["usage"]["prompt_tokens"])
+
+
+def scrape(ip: str, port: int, timeout: float = 10.0) -> dict[str, float]:
+    """Prometheus text metrics as {'name{labels}': value} (comments left out)."""
+    with urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=timeout) as reply:
+        text = reply.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def metric_sum(metrics: dict[str, float], name: str) -> float:
+    """The sum of every series of ``name`` (any labels)."""
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+
+
+@dataclass(frozen=True)
+class PullCounters:
+    """What a decode pod says it pulled: vLLM's count of prompt tokens loaded by its KV
+    connector, and kvbridge's agent counters."""
+
+    external_hit_tokens: float
+    transfer_bytes: float
+    transfer_failures: float
+
+    @classmethod
+    def of(cls, ip: str) -> PullCounters:
+        vllm, agent = scrape(ip, HTTP_PORT), scrape(ip, METRICS_PORT)
+        return cls(metric_sum(vllm, "vllm:external_prefix_cache_hits_total"),
+                   metric_sum(agent, "kvbridge_agent_transfer_bytes_total"),
+                   metric_sum(agent, "kvbridge_agent_transfer_failures_total"))
+
+
+# -- through the router (kvbridge-router) ---------------------------------------------------
+def get_json(url: str, timeout: float = 10.0) -> Any:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            return json.load(reply)
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read() or b"null")
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def routed_complete(router: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """A greedy completion sent to the router, which picks the pair."""
+    request = urllib.request.Request(f"{router}/v1/completions", json.dumps({
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True}).encode(),
+        {"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return json.load(reply)
+    except urllib.error.HTTPError as exc:
+        raise EngineError(f"router: HTTP {exc.code}: {exc.read()[:500]!r}") from exc
+
+
+def router_series(router: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The router's series of ``name``: (labels, value) pairs."""
+    out = []
+    with urllib.request.urlopen(f"{router}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, _, value = line[len(name) + 1:].rpartition("} ")
+            pairs = (part.split("=", 1) for part in labels.split('",') if "=" in part)
+            out.append(({k: v.strip('"') for k, v in pairs}, float(value)))
+    return out

@@ -1,0 +1,46 @@
+"""The router's Prometheus metrics, in a registry of their own (served on ``/metrics``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+#: Values of ``outcome``: answered (any status the decode chose, streamed to the end);
+#: rejected (the request was malformed, 4xx from the router or the decode); no_pair (503:
+#: nothing verified); failed (prefill or decode failed on every attempt); stream_error (the
+#: decode failed after the first byte: the stream ended with an error event).
+OUTCOMES = ("answered", "rejected", "no_pair", "failed", "stream_error")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+REQUESTS = Counter(
+    "kvbridge_router_requests", "Requests by outcome and by the pair that served them "
+    "(prefill and decode engine ids; empty when none did)", ["outcome", "prefill", "decode"],
+    registry=REGISTRY)
+RETRIES = Counter(
+    "kvbridge_router_retries", "Requests sent again on another pair, by the step that failed "
+    "(prefill, decode) or by the lease rule (lease: the prefill answer was too old)",
+    ["stage"], registry=REGISTRY)
+PREFILL_SECONDS = Histogram(
+    "kvbridge_router_prefill_seconds", "The prefill call (prompt computed, KV kept)",
+    buckets=LATENCY_BUCKETS, registry=REGISTRY)
+DECODE_SECONDS = Histogram(
+    "kvbridge_router_decode_seconds", "The decode call, to the last byte of its answer",
+    buckets=LATENCY_BUCKETS, registry=REGISTRY)
+TOTAL_SECONDS = Histogram(
+    "kvbridge_router_request_seconds", "Whole requests, retries included",
+    buckets=LATENCY_BUCKETS, registry=REGISTRY)
+TTFT_SECONDS = Histogram(
+    "kvbridge_router_time_to_first_token_seconds",
+    "From the request's arrival to the decode's first byte", buckets=LATENCY_BUCKETS,
+    registry=REGISTRY)
+VERIFIED_PAIRS = Gauge(
+    "kvbridge_router_verified_pairs", "Pairs requests may take now (see /health)",
+    registry=REGISTRY)
+OUTSTANDING = Gauge(
+    "kvbridge_router_outstanding", "Requests in flight per engine", ["engine", "role"],
+    registry=REGISTRY)
+INFO = Gauge(
+    "kvbridge_router_info", "The KVTransfer this router serves (always 1); join the other "
+    "series with it by instance for their namespace and transfer", ["namespace", "transfer"],
+    registry=REGISTRY)

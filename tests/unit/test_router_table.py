@@ -1,0 +1,117 @@
+"""The router's routing table (pure): a pair carries requests only while the operator pairs
+it and the decode reports a succeeded handshake at the prefill's current epoch; and the
+balancer's least-outstanding choice among those pairs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbridge_router.balance import Balancer
+from kvbridge_router.table import routing_table
+
+T = "kvt"
+TRANSFER = {"metadata": {"name": T}, "spec": {}}
+
+
+def ep(name: str, role: str, *, engine: str | None = None, epoch: int = 1, host: str = "",
+       state: str = "Paired", peers: tuple[tuple[str, int], ...] = (),
+       shakes: tuple[tuple[str, int, str], ...] = (), rank: int = 0, tp: int = 1,
+       deleting: bool = False) -> dict[str, Any]:  # fmt: skip
+    meta: dict[str, Any] = {"name": name}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-12-04T00:00:00Z"
+    return {
+        "metadata": meta,
+        "spec": {"transferName": T, "role": role, "engineId": engine or name, "epoch": epoch,
+                 "podName": name, "tpRank": rank, "tpSize": tp,
+                 "sideChannel": {"host": host or f"10.0.0.{abs(hash(name)) % 200}",
+                                 "port": 5600}},
+        "status": {"state": state, "peers": [{"name": n, "epoch": e} for n, e in peers],
+                   "handshakes": [{"peer": n, "epoch": e, "state": s} for n, e, s in shakes]},
+    }  # fmt: skip
+
+
+def verified_decode(name: str, prefill: str = "p0", epoch: int = 1, **kw: Any
+                    ) -> dict[str, Any]:  # fmt: skip
+    return ep(name, "decode", peers=((prefill, epoch),),
+              shakes=((prefill, epoch, "Succeeded"),), **kw)
+
+
+def test_verified_pairs_only() -> None:
+    table = routing_table(T, TRANSFER, [
+        ep("p0", "prefill"), ep("p1", "prefill"),
+        verified_decode("d0"),
+        ep("d1", "decode", peers=(("p0", 1),)),                          # not preflighted
+        ep("d2", "decode", peers=(("p0", 1),), shakes=(("p0", 1, "Failed"),)),
+        verified_decode("d3", "p1"),
+        ep("d4", "decode", state="Incompatible"),
+    ])
+    assert dict(table.pairs) == {"d0": ("p0",), "d3": ("p1",)}
+    assert table.engines["d0"].host and not table.reason
+
+
+def test_a_restarted_prefill_is_out_until_preflighted_at_its_new_epoch() -> None:
+    old = [ep("p0", "prefill", epoch=2), verified_decode("d0", epoch=1)]
+    table = routing_table(T, TRANSFER, old)
+    assert not table.pairs and "no pair of KVTransfer kvt is verified" in table.reason
+    new = [ep("p0", "prefill", epoch=2), verified_decode("d0", epoch=2)]
+    assert dict(routing_table(T, TRANSFER, new).pairs) == {"d0": ("p0",)}
+
+
+def test_gone_terminating_or_unpaired_endpoints_take_the_pair_out() -> None:
+    for docs in ([verified_decode("d0")],                                   # prefill gone
+                 [ep("p0", "prefill", deleting=True), verified_decode("d0")],
+                 [ep("p0", "prefill", state="Stale"), verified_decode("d0")],
+                 [ep("p0", "prefill"), verified_decode("d0", deleting=True)],
+                 [ep("p0", "prefill"), verified_decode("d0", state="Unpaired")]):
+        assert not routing_table(T, TRANSFER, docs).pairs, docs
+
+
+def test_no_transfer_and_reasons() -> None:
+    assert routing_table(T, None, [ep("p0", "prefill")]).reason == "KVTransfer kvt does not exist"
+    assert "no decode" in routing_table(T, TRANSFER, [ep("p0", "prefill")]).reason
+    assert "no prefill" in routing_table(T, TRANSFER, [verified_decode("d0")]).reason
+    reason = routing_table(T, TRANSFER, [ep("p0", "prefill"),
+                                         ep("d0", "decode", state="Pending")]).reason
+    assert "is paired" in reason and "Pending" in reason
+    other = verified_decode("d0")
+    other["spec"]["transferName"] = "other"
+    assert not routing_table(T, TRANSFER, [ep("p0", "prefill"), other]).pairs
+
+
+def test_tensor_parallel_engines_need_every_rank_verified() -> None:
+    prefill = [ep(f"p-{r}", "prefill", engine="P", rank=r, tp=2, host="10.0.0.9")
+               for r in range(2)]
+    decode_ok = [ep("d-0", "decode", engine="D", peers=(("p-0", 1), ("p-1", 1)),
+                    shakes=(("p-0", 1, "Succeeded"), ("p-1", 1, "Succeeded")))]
+    table = routing_table(T, TRANSFER, prefill + decode_ok)
+    assert dict(table.pairs) == {"D": ("P",)} and table.engines["P"].host == "10.0.0.9"
+    assert table.engines["P"].pods == ("p-0", "p-1")
+    half = [ep("d-0", "decode", engine="D", peers=(("p-0", 1), ("p-1", 1)),
+               shakes=(("p-0", 1, "Succeeded"),))]
+    assert not routing_table(T, TRANSFER, prefill + half).pairs
+
+
+def test_balancer_takes_the_least_loaded_decode_then_prefill_and_skips_failed_pairs() -> None:
+    table = routing_table(T, TRANSFER, [
+        ep("p0", "prefill"), ep("p1", "prefill"),
+        ep("d0", "decode", peers=(("p0", 1), ("p1", 1)),
+           shakes=(("p0", 1, "Succeeded"), ("p1", 1, "Succeeded"))),
+        verified_decode("d1", "p1")])
+    b = Balancer()
+    b.outstanding.update({"d0": 1})
+    pair = b.pick(table)
+    assert pair is not None and (pair.decode.engine_id, pair.prefill.engine_id) == ("d1", "p1")
+    b.outstanding.clear()
+    b.outstanding.update({"d1": 2, "p0": 1})
+    pair = b.pick(table)
+    assert pair is not None and (pair.decode.engine_id, pair.prefill.engine_id) == ("d0", "p1")
+    pair = b.pick(table, avoid={("d0", "p1")})            # p1 failed this request: p0 then
+    assert pair is not None and (pair.decode.engine_id, pair.prefill.engine_id) == ("d0", "p0")
+    assert b.pick(table, avoid={("d0", "p0"), ("d0", "p1"), ("d1", "p1")}) is None
+    b.start(pair.decode)
+    b.done(pair.decode)
+    assert b.outstanding == {"d1": 2, "p0": 1}
+    rotating = Balancer()   # idle engines share the first requests
+    assert {rotating.pick(table).decode.engine_id for _ in range(4)} == {  # type: ignore[union-attr]
+        "d0", "d1"}
