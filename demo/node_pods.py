@@ -113,6 +113,23 @@ class NodePod:
         return f"{self.ip}:{METRICS_PORT}"
 
 
+def ucx_read_transports(log: str) -> set[str]:
+    """Transports UCX chose for remote memory reads from another peer (UCX_PROTO_INFO=y):
+    the Config column of its "remote memory read" tables whose header is not the agent's own
+    loopback ("self" or "intra-node" endpoints of one process are where ``cma`` shows up)."""
+    found: set[str] = set()
+    header = ""
+    for line in log.splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) == 1 and cells[0]:
+            header = cells[0] if "cfg#" in cells[0] else header + " " + cells[0]
+        elif len(cells) == 3 and "remote memory read" in header and "inter-node" in header:
+            transport = cells[2].split("/", 1)[0]
+            if "/" in cells[2] and transport:
+                found.add(transport)
+    return found
+
+
 def ucx_transports(log: str) -> set[str]:
     """Transports named in UCX's protocol-selection report (UCX_PROTO_INFO=y), e.g. 'tcp'."""
     known = {"tcp", "cma", "posix", "sysv", "xpmem", "knem", "self", "rc_mlx5", "rc_verbs",

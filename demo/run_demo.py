@@ -233,7 +233,14 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
     """A real node; the chart's operator Deployment and the serving pods run as containers."""
     import kvbridge_node as kn
     from kubernetes import client
-    from node_pods import NodePod, agent_pod, image_values, ready_pod, ucx_transports
+    from node_pods import (
+        NodePod,
+        agent_pod,
+        image_values,
+        ready_pod,
+        ucx_read_transports,
+        ucx_transports,
+    )
     from sim import wait_until
 
     node_binaries = kn.NodeBinaries.find()
@@ -282,7 +289,9 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
 
     def transports() -> None:
         log = core.read_namespaced_pod_log("decode-0", NS)
-        say(f"UCX carried the pod-to-pod pulls over: {sorted(ucx_transports(log)) or '?'}")
+        say(f"UCX read the peer pod's memory over: {sorted(ucx_read_transports(log)) or '?'} "
+            f"(its remote-read protocol choice, UCX_PROTO_INFO=y; all transports it set up: "
+            f"{sorted(ucx_transports(log))}, cma among them only for the agent's own endpoints)")
 
     def delete_pod(name: str, _handle: Any) -> None:
         core.delete_namespaced_pod(name, NS, grace_period_seconds=0)
@@ -423,6 +432,12 @@ def show_router(cluster: kc.LocalCluster, helm: Path, core: Any, bad: str) -> No
     bad_requests = vp.metric_sum(vp.scrape(bad_ip, vp.HTTP_PORT), "vllm:request_success_total")
     say(f"{ok} of {len(prompts)} requests through the router (4 at a time) answered, by pair: "
         f"{pairs}; {bad} received {bad_requests:.0f}")
+    core.delete_namespaced_pod(bad, NS, grace_period_seconds=0)
+    wait_until(lambda: bad not in {
+        e["metadata"]["name"] for e in custom.list_namespaced_custom_object(
+            "kvbridge.io", "v1alpha1", NS, "kvendpoints")["items"]},
+        timeout=60, what=f"{bad}'s KVEndpoint gone")
+    say(f"removed pod {bad}; KVTransfer {vp.TRANSFER} keeps serving over its verified pairs")
 
 
 def setup_simulated(binaries: kc.Binaries, cleanup: list) -> Stage:
@@ -569,7 +584,8 @@ def show_alert(prom: Any, stage: Stage, started: dict[str, Any]) -> None:
 
     follow_alert(prom, "KVBridgeTransferDegraded", "firing")
     (alert,) = [a for a in prom.alerts() if a["state"] == "firing" and
-                a["labels"]["alertname"] == "KVBridgeTransferDegraded"]
+                a["labels"]["alertname"] == "KVBridgeTransferDegraded" and
+                a["labels"].get("transfer") == "kvt"]
     say(f"  summary: {alert['annotations']['summary']}")
     stage.delete_pod("decode-bad", started.pop("decode-bad"))
     scrape_agents(prom, started)
