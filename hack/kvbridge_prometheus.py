@@ -50,7 +50,9 @@ FAST_ALERTS = [f"prometheusRule.alerts.{a}.for=2s" for a in (
 #: "<release>-metrics", honorLabels so the KVTransfers' namespace label stays) and the agents'
 #: PodMonitor (target labels namespace and pod).
 OPERATOR_JOB, AGENT_JOB = "kvbridge-metrics", "kvbridge-agents"
-JOBS = {OPERATOR_JOB: {"honor_labels": True}, AGENT_JOB: {}}
+#: The P/D router's pods, as the chart's router PodMonitor scrapes them.
+ROUTER_JOB = "kvbridge-router"
+JOBS = {OPERATOR_JOB: {"honor_labels": True}, AGENT_JOB: {}, ROUTER_JOB: {}}
 
 
 class PrometheusMissingError(RuntimeError):

@@ -44,3 +44,12 @@ INFO = Gauge(
     "kvbridge_router_info", "The KVTransfer this router serves (always 1); join the other "
     "series with it by instance for their namespace and transfer", ["namespace", "transfer"],
     registry=REGISTRY)
+
+
+def init_series() -> None:
+    """Every outcome and retry stage at 0 from the start (pair labels empty), so that rates
+    and the dashboard's panels have a series before the first request or failure."""
+    for outcome in OUTCOMES:
+        REQUESTS.labels(outcome, "", "")
+    for stage in ("prefill", "decode", "lease"):
+        RETRIES.labels(stage)

@@ -20,9 +20,12 @@ malformed KVTransfer. Then:
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import kvbridge_cluster as kc
 import pytest
 from kubernetes.client.exceptions import ApiException
 from kvb_e2e import Api, OperatorProcess, http_get, wait_for
@@ -31,6 +34,7 @@ from kvbridge_prometheus import (
     FAST_ALERTS,
     JOBS,
     OPERATOR_JOB,
+    ROUTER_JOB,
     PromBinaries,
     Prometheus,
     PrometheusMissingError,
@@ -74,6 +78,30 @@ def pods(cluster, ns: str) -> Iterator[list[SimPod]]:
         p.close()
 
 
+@pytest.fixture
+def router(cluster, ns: str, tmp_path: Path) -> Iterator[str]:
+    """kvbridge-router for KVTransfer kvt as a process; yields host:port of its /metrics."""
+    port = kc.free_port()
+    log = (tmp_path / "router.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge_router", "--transfer", "kvt", "--namespace", ns,
+         "--host", "127.0.0.1", "--port", str(port), "--kubeconfig", str(cluster.kubeconfig)],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def router_ready(address: str) -> bool:
+    try:
+        return http_get(f"http://{address}/health")[0] == 200
+    except OSError:         # not listening yet, or 503 (no verified pair yet)
+        return False
+
+
 def start(pods: list[SimPod], prom: Prometheus, cluster, ns: str, name: str, role: str,
           engine: str, **kw) -> SimPod:  # fmt: skip
     """An agent process serving its metrics on a free loopback port, added to the scrape."""
@@ -97,7 +125,7 @@ def values(result: list[dict]) -> list[float]:
 
 def test_dashboard_and_alerts_on_a_real_prometheus(
         cluster, api: Api, ns: str, operator: OperatorProcess, pods: list[SimPod],
-        prom_binaries: PromBinaries, tmp_path: Path) -> None:  # fmt: skip
+        prom_binaries: PromBinaries, router: str, tmp_path: Path) -> None:  # fmt: skip
     rules = chart_rules(cluster.binaries.helm, FAST_ALERTS)
     alerts = alert_rules(rules)
     with Prometheus(prom_binaries, JOBS, rules=rules, workdir=tmp_path / "prometheus") as prom:
@@ -124,6 +152,10 @@ def test_dashboard_and_alerts_on_a_real_prometheus(
         wait_for(lambda: d.status()["peers"] == {"p-0": epoch} and handshakes_ok(d),
                  timeout=60, what="re-handshake at the new epoch")
         api.wait_condition(ns, "Ready", "True", timeout=60)
+        # The P/D router of this KVTransfer, scraped as the chart's router PodMonitor would.
+        prom.set_targets(ROUTER_JOB, [(router, {"namespace": ns})])
+        wait_for(lambda: router_ready(router), timeout=60,
+                 what="the router seeing the verified pair")
 
         for i in range(4):
             p.call("hold", request_ids=[f"r{i}"])
@@ -150,7 +182,7 @@ def test_dashboard_and_alerts_on_a_real_prometheus(
             assert lint.returncode == 0 and not (lint.stdout + lint.stderr).strip(), (
                 what, lint.stdout + lint.stderr)
 
-        wait_for(lambda: targets_up(3), timeout=60, what="3 scrape targets up")
+        wait_for(lambda: targets_up(4), timeout=60, what="4 scrape targets up")
 
         # -- the dashboard ----------------------------------------------------------------
         targets, variables = dashboard_queries()
