@@ -427,7 +427,7 @@ def show_router(cluster: kc.LocalCluster, helm: Path, core: Any, bad: str) -> No
     pods = {e["spec"]["engineId"]: e["spec"]["podName"] for e in endpoints}
     served = vp.router_series(router, "kvbridge_router_requests_total")
     pairs = ", ".join(f"{pods.get(lb['prefill'])} -> {pods.get(lb['decode'])}: {n:.0f}"
-                      for lb, n in served if lb["outcome"] == "answered")
+                      for lb, n in served if lb["outcome"] == "answered" and lb["decode"])
     bad_ip = core.read_namespaced_pod(bad, NS).status.pod_ip
     bad_requests = vp.metric_sum(vp.scrape(bad_ip, vp.HTTP_PORT), "vllm:request_success_total")
     say(f"{ok} of {len(prompts)} requests through the router (4 at a time) answered, by pair: "
