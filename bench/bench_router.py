@@ -10,7 +10,7 @@ hop: parsing, pair choice, the prefill call, the decode call and the relay of th
 
 At each concurrency (1, 8, 32) the client sends rounds of requests, alternating direct and
 routed rounds so that drift and noise hit both alike. Every request has a fresh prompt (no
-prefix-cache hit anywhere), ``max_tokens`` 8, non-streaming.
+prefix-cache hit anywhere), ``max_tokens`` 8, greedy, non-streaming (``vllm_pods.completion``).
 
 - ``router.added_latency_p50.cN`` / ``_p99``: routed minus direct request latency at those
   percentiles (ms; ``ratio`` = routed / direct; lower is better). Target: at most 2 ms at p50.
@@ -98,23 +98,18 @@ async def wait_ready(url: str, timeout: float) -> None:
     raise RuntimeError(f"{url} not ready within {timeout:.0f} s")
 
 
-def body(prompt: str, **extra: Any) -> dict[str, Any]:
-    return {"model": vp.MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, **extra}
-
-
 async def direct(s: aiohttp.ClientSession, prefill: str, decode: str, prompt: str) -> None:
-    async with s.post(f"{prefill}/v1/completions", json=body(
-            prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})) as r:
+    async with s.post(f"{prefill}/v1/completions", json=vp.completion(
+            prompt, 1, kv_transfer_params={"do_remote_decode": True})) as r:
         params = (await r.json())["kv_transfer_params"]
     async with s.post(f"{decode}/v1/completions",
-                      json=body(prompt, kv_transfer_params=params)) as r:
+                      json=vp.completion(prompt, MAX_TOKENS, kv_transfer_params=params)) as r:
         assert r.status == 200, await r.text()
         await r.read()
 
 
 async def routed(s: aiohttp.ClientSession, router: str, prompt: str) -> None:
-    async with s.post(f"{router}/v1/completions", json=body(prompt)) as r:
+    async with s.post(f"{router}/v1/completions", json=vp.completion(prompt, MAX_TOKENS)) as r:
         assert r.status == 200, await r.text()
         await r.read()
 

@@ -82,23 +82,30 @@ class EngineError(RuntimeError):
     """A vLLM pod answered an error or could not be reached; the message has its reply."""
 
 
-def post(ip: str, path: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
-    request = urllib.request.Request(f"http://{ip}:{HTTP_PORT}{path}", json.dumps(body).encode(),
+def post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+    """POST JSON, return the JSON answer; EngineError (with the reply) on any failure."""
+    request = urllib.request.Request(url, json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})  # fmt: skip
     try:
         with urllib.request.urlopen(request, timeout=timeout) as reply:
             return json.load(reply)
     except urllib.error.HTTPError as exc:
-        raise EngineError(f"{ip}{path}: HTTP {exc.code}: {exc.read()[:500]!r}") from exc
+        raise EngineError(f"{url}: HTTP {exc.code}: {exc.read()[:500]!r}") from exc
     except OSError as exc:
-        raise EngineError(f"{ip}{path}: {exc}") from exc
+        raise EngineError(f"{url}: {exc}") from exc
+
+
+def completion(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A greedy completion request whose answer carries the generated token ids
+    (``choices[0]["token_ids"]``)."""
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, **extra}  # fmt: skip
 
 
 def complete(ip: str, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
-    """A greedy completion; ``choices[0]["token_ids"]`` carries the generated token ids."""
-    return post(ip, "/v1/completions", {
-        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True, "return_token_ids": True, **extra})  # fmt: skip
+    """A greedy completion from the engine at pod IP ``ip``."""
+    return post(f"http://{ip}:{HTTP_PORT}/v1/completions",
+                completion(prompt, max_tokens, **extra))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -124,9 +131,13 @@ def pd_complete(prefill_ip: str, decode_ip: str, prompt: str, max_tokens: int) -
                     answer["usage"]["prompt_tokens"])
 
 
-def scrape(ip: str, port: int, timeout: float = 10.0) -> dict[str, float]:
+def scrape(ip: str, port: int) -> dict[str, float]:
     """Prometheus text metrics as {'name{labels}': value} (comments left out)."""
-    with urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=timeout) as reply:
+    return scrape_url(f"http://{ip}:{port}/metrics")
+
+
+def scrape_url(url: str, timeout: float = 10.0) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
         text = reply.read().decode()
     out = {}
     for line in text.splitlines():
@@ -177,25 +188,15 @@ def http_ok(url: str) -> bool:
 
 def routed_complete(router: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     """A greedy completion sent to the router, which picks the pair."""
-    request = urllib.request.Request(f"{router}/v1/completions", json.dumps({
-        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True, "return_token_ids": True}).encode(),
-        {"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return json.load(reply)
-    except urllib.error.HTTPError as exc:
-        raise EngineError(f"router: HTTP {exc.code}: {exc.read()[:500]!r}") from exc
+    return post(f"{router}/v1/completions", completion(prompt, max_tokens))
 
 
 def router_series(router: str, name: str) -> list[tuple[dict[str, str], float]]:
     """The router's series of ``name``: (labels, value) pairs."""
     out = []
-    with urllib.request.urlopen(f"{router}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            labels, _, value = line[len(name) + 1:].rpartition("} ")
-            pairs = (part.split("=", 1) for part in labels.split('",') if "=" in part)
-            out.append(({k: v.strip('"') for k, v in pairs}, float(value)))
+    for key, value in scrape_url(f"{router}/metrics").items():
+        if key.startswith(name + "{"):
+            pairs = (part.split("=", 1) for part in key[len(name) + 1:-1].split('",')
+                     if "=" in part)  # fmt: skip
+            out.append(({k: v.strip('"') for k, v in pairs}, value))
     return out

@@ -62,8 +62,7 @@ async def serve(args: argparse.Namespace) -> None:
     namespace = _namespace(args.namespace)
     m.INFO.labels(namespace, args.transfer).set(1)
     m.init_series()
-    watch = TransferWatch(api_client(args.kubeconfig), namespace, args.transfer,
-                          on_change=lambda t: m.VERIFIED_PAIRS.set(t.pair_count())).start()
+    watch = TransferWatch(api_client(args.kubeconfig), namespace, args.transfer).start()
     settings = RouterSettings(engine_port=args.engine_port, lease_s=args.lease_seconds,
                               lease_margin_s=args.lease_margin_seconds)
     router = Router(lambda: watch.table, settings)

@@ -108,12 +108,12 @@ class Router:
     # -- small endpoints ---------------------------------------------------------------------
     async def health(self, _request: web.Request) -> web.Response:
         table = self.table()
-        m.VERIFIED_PAIRS.set(table.pair_count())
         if table.pairs:
             return web.json_response({"status": "ok", "verifiedPairs": table.pair_count()})
         return web.json_response({"status": "unavailable", "reason": table.reason}, status=503)
 
     async def metrics(self, _request: web.Request) -> web.Response:
+        # The gauge follows the table the watch keeps; read at scrape time, never stale.
         m.VERIFIED_PAIRS.set(self.table().pair_count())
         return web.Response(body=generate_latest(m.REGISTRY),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 from .table import RoutingTable, routing_table
@@ -28,11 +26,9 @@ RETRY_S = 1.0
 class TransferWatch:
     """The routing table of KVTransfer ``namespace/name``, kept current."""
 
-    def __init__(self, api_client: Any, namespace: str, name: str,
-                 on_change: Callable[[RoutingTable], None] | None = None) -> None:
+    def __init__(self, api_client: Any, namespace: str, name: str) -> None:
         self.namespace, self.name = namespace, name
         self.api_client = api_client
-        self.on_change = on_change
         self.table = RoutingTable(reason="the KVTransfer and its KVEndpoints are not listed yet")
         self._transfers: dict[str, dict[str, Any]] = {}
         self._endpoints: dict[str, dict[str, Any]] = {}
@@ -100,13 +96,3 @@ class TransferWatch:
         if changed:
             log.info("routing table: %d verified pair(s)%s", table.pair_count(),
                      f" ({table.reason})" if table.reason else "")
-            if self.on_change is not None:
-                self.on_change(table)
-
-    def wait_listed(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if len(self._listed) == 2:
-                return True
-            time.sleep(0.05)
-        return False
