@@ -30,7 +30,7 @@ class Engine:
     role: str
     host: str
     pods: tuple[str, ...]
-    #: its OpenAI port; 0: the router's --engine-port (every engine of a KVTransfer alike)
+    #: its OpenAI port (``spec.servingPort``); 0: the router's --engine-port
     port: int = 0
 
 
@@ -89,9 +89,10 @@ def routing_table(transfer_name: str, transfer: Mapping[str, Any] | None,
 
 def _engine(engine_id: str, ranks: list[Mapping[str, Any]]) -> Engine:
     first = min(ranks, key=lambda r: r["spec"].get("tpRank", 0))
-    return Engine(engine_id, first["spec"]["role"], first["spec"]["sideChannel"]["host"],
-                  tuple(sorted(r["spec"].get("podName", r["metadata"]["name"])
-                               for r in ranks)))  # fmt: skip
+    spec = first["spec"]
+    return Engine(engine_id, spec["role"], spec["sideChannel"]["host"],
+                  tuple(sorted(r["spec"].get("podName", r["metadata"]["name"]) for r in ranks)),
+                  int(spec.get("servingPort") or 0))  # fmt: skip
 
 
 def _verified_prefills(decode_ranks: list[Mapping[str, Any]],

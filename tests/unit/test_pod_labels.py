@@ -40,3 +40,16 @@ def test_identity_reads_labels_from_the_file(tmp_path: Path) -> None:
 def test_identity_without_the_file_has_no_labels(tmp_path: Path) -> None:
     pod = PodIdentity.from_env({**ENV, "KVBRIDGE_POD_LABELS_FILE": str(tmp_path / "none")})
     assert pod.labels == {}
+
+
+def test_identity_reads_the_serving_port(tmp_path: Path) -> None:
+    none = {**ENV, "KVBRIDGE_POD_LABELS_FILE": str(tmp_path / "none")}
+    assert PodIdentity.from_env(none).serving_port == 0
+    assert PodIdentity.from_env({**none, "KVBRIDGE_SERVING_PORT": "8000"}).serving_port == 8000
+
+
+@pytest.mark.parametrize("bad", ["http", "0", "70000", "-1"])
+def test_a_bad_serving_port_is_named(tmp_path: Path, bad: str) -> None:
+    env = {**ENV, "KVBRIDGE_POD_LABELS_FILE": str(tmp_path / "none"), "KVBRIDGE_SERVING_PORT": bad}
+    with pytest.raises(ValueError, match=r"KVBRIDGE_SERVING_PORT: expected a TCP port .* got"):
+        PodIdentity.from_env(env)

@@ -16,11 +16,11 @@ TRANSFER = {"metadata": {"name": T}, "spec": {}}
 def ep(name: str, role: str, *, engine: str | None = None, epoch: int = 1, host: str = "",
        state: str = "Paired", peers: tuple[tuple[str, int], ...] = (),
        shakes: tuple[tuple[str, int, str], ...] = (), rank: int = 0, tp: int = 1,
-       deleting: bool = False) -> dict[str, Any]:  # fmt: skip
+       deleting: bool = False, serving_port: int = 0) -> dict[str, Any]:  # fmt: skip
     meta: dict[str, Any] = {"name": name}
     if deleting:
         meta["deletionTimestamp"] = "2026-12-04T00:00:00Z"
-    return {
+    doc = {
         "metadata": meta,
         "spec": {"transferName": T, "role": role, "engineId": engine or name, "epoch": epoch,
                  "podName": name, "tpRank": rank, "tpSize": tp,
@@ -29,6 +29,9 @@ def ep(name: str, role: str, *, engine: str | None = None, epoch: int = 1, host:
         "status": {"state": state, "peers": [{"name": n, "epoch": e} for n, e in peers],
                    "handshakes": [{"peer": n, "epoch": e, "state": s} for n, e, s in shakes]},
     }  # fmt: skip
+    if serving_port:
+        doc["spec"]["servingPort"] = serving_port
+    return doc
 
 
 def verified_decode(name: str, prefill: str = "p0", epoch: int = 1, **kw: Any
@@ -115,3 +118,10 @@ def test_balancer_takes_the_least_loaded_decode_then_prefill_and_skips_failed_pa
     rotating = Balancer()   # idle engines share the first requests
     assert {rotating.pick(table).decode.engine_id for _ in range(4)} == {  # type: ignore[union-attr]
         "d0", "d1"}
+
+
+def test_an_engine_is_reached_at_the_port_its_endpoint_states() -> None:
+    table = routing_table(T, TRANSFER, [ep("p0", "prefill", host="127.0.0.1", serving_port=9101),
+                                        verified_decode("d0", host="127.0.0.1")])
+    assert (table.engines["p0"].host, table.engines["p0"].port) == ("127.0.0.1", 9101)
+    assert table.engines["d0"].port == 0  # unstated: the router's --engine-port

@@ -16,6 +16,9 @@ ENV_POD_IP = "POD_IP"
 #: Where the pod's labels are read from: a downwardAPI volume item of ``metadata.labels``.
 ENV_POD_LABELS_FILE = "KVBRIDGE_POD_LABELS_FILE"
 DEFAULT_POD_LABELS_FILE = "/etc/podinfo/labels"
+#: The port the engine's OpenAI server listens on (vLLM's ``--port``), published as
+#: ``spec.servingPort`` so that the P/D router can reach engines that share one address.
+ENV_SERVING_PORT = "KVBRIDGE_SERVING_PORT"
 
 
 class PodLabelsError(ValueError):
@@ -40,6 +43,20 @@ def parse_pod_labels(text: str, source: str = "labels file") -> dict[str, str]:
     return labels
 
 
+def parse_serving_port(text: str) -> int:
+    """``$KVBRIDGE_SERVING_PORT`` as a port number; 0 when it is unset or empty."""
+    if not text.strip():
+        return 0
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{ENV_SERVING_PORT}: expected a TCP port (1-65535, the engine's "
+                         f"OpenAI server port), got {text!r}")
+    return port
+
+
 @dataclass(frozen=True)
 class PodIdentity:
     """The pod the agent runs in; the KVEndpoint's ownerReference points at it."""
@@ -50,6 +67,8 @@ class PodIdentity:
     node_name: str = ""
     pod_ip: str = ""
     labels: Mapping[str, str] = field(default_factory=dict)
+    #: the engine's OpenAI port; 0: not stated (the router then uses its --engine-port)
+    serving_port: int = 0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PodIdentity:
@@ -59,6 +78,7 @@ class PodIdentity:
         The labels, which the KVEndpoint carries so that KVTransfer selectors can match it,
         come from ``$KVBRIDGE_POD_LABELS_FILE`` (default ``/etc/podinfo/labels``, a
         downwardAPI volume item of ``metadata.labels``); none when that file does not exist.
+        ``KVBRIDGE_SERVING_PORT`` (optional) is the engine's OpenAI port.
         """
         env = os.environ if env is None else env
         missing = [k for k in (ENV_POD_NAME, ENV_POD_UID, ENV_POD_NAMESPACE) if not env.get(k)]
@@ -74,7 +94,8 @@ class PodIdentity:
         else:
             labels = parse_pod_labels(text, labels_file)
         return cls(env[ENV_POD_NAME], env[ENV_POD_UID], env[ENV_POD_NAMESPACE],
-                   env.get(ENV_NODE_NAME, ""), env.get(ENV_POD_IP, ""), labels)
+                   env.get(ENV_NODE_NAME, ""), env.get(ENV_POD_IP, ""), labels,
+                   parse_serving_port(env.get(ENV_SERVING_PORT, "")))
 
     def owner_reference(self) -> dict[str, Any]:
         return {"apiVersion": "v1", "kind": "Pod", "name": self.name, "uid": self.uid,

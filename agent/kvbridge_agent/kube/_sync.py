@@ -67,6 +67,8 @@ class EndpointSync:
                 f"(AgentSettings.epoch={epoch})")
         self.spec = self.service.endpoint_spec(
             transfer=self.transfer, pod_name=pod.name, pod_uid=pod.uid, node_name=pod.node_name)
+        if pod.serving_port:
+            self.spec["servingPort"] = pod.serving_port
         published = self.publisher.publish(self.spec)
         metrics.set_info(*self._info())
         return published
