@@ -23,7 +23,6 @@ Never asserts on timing. ``loadavg_1m`` says how busy the machine was.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -43,33 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import aiohttp  # noqa: E402
 import vllm_pods as vp  # noqa: E402
 from kvbridge_cluster import free_port  # noqa: E402
-from vllm_harness import vllm_python  # noqa: E402
+from vllm_servers import OpenAIServer, start_servers  # noqa: E402
 
 from _common import emit  # noqa: E402
 
 CONCURRENCY = (1, 8, 32)
 REQUESTS = int(os.environ.get("KVB_BENCH_ROUTER_REQUESTS", "64"))
 MAX_TOKENS = 8
-CONNECTOR = json.dumps({"kv_connector": "KVBridgeConnector",
-                        "kv_connector_module_path": "kvbridge_agent.vllm",
-                        "kv_role": "kv_both", "kv_buffer_device": "cpu"})  # fmt: skip
-
-
-def start_engine(model: Path, role: str, port: int, side: int, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "ERROR", "KVBRIDGE_ROLE": role,
-           "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side),
-           "PYTHONPATH": str(ROOT / "agent")}  # fmt: skip
-    for key in ("POD_NAME", "POD_UID", "KUBECONFIG"):
-        env.pop(key, None)
-    cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", vp.MODEL, "--port", str(port), "--dtype", "float32",
-           "--enforce-eager", "--block-size", "32", "--num-gpu-blocks-override", "256",
-           "--max-model-len", "1024", "--kv-transfer-config", CONNECTOR]  # fmt: skip
-    return subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-
-
 ROUTER = """
 import asyncio, sys
 from aiohttp import web
@@ -177,30 +156,27 @@ def main() -> int:
     from kvbridge_agent._testmodel import write_test_model
 
     model = write_test_model(work / "model", seed=9)
-    ports = {n: free_port() for n in ("prefill", "decode", "router", "pside", "dside")}
-    procs = [
-        start_engine(model, "prefill", ports["prefill"], ports["pside"], work / "prefill.log"),
-        start_engine(model, "decode", ports["decode"], ports["dside"], work / "decode.log"),
-        subprocess.Popen([sys.executable, "-c", ROUTER, str(ports["router"]),
-                          str(ports["prefill"]), str(ports["decode"])],
-                         stdout=(work / "router.log").open("wb"), stderr=subprocess.STDOUT),
-    ]  # fmt: skip
-    url = {n: f"http://127.0.0.1:{ports[n]}" for n in ("prefill", "decode", "router")}
+    prefill = OpenAIServer(model, work, "prefill", env={"KVBRIDGE_ROLE": "prefill"})
+    decode = OpenAIServer(model, work, "decode", env={"KVBRIDGE_ROLE": "decode"})
+    port = free_port()
+    router = None
     try:
+        start_servers(prefill, decode)
+        router = subprocess.Popen(
+            [sys.executable, "-c", ROUTER, str(port), str(prefill.port), str(decode.port)],
+            stdout=(work / "router.log").open("wb"), stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+
         async def run() -> None:
-            for n in ("prefill", "decode"):
-                await wait_ready(f"{url[n]}/health", 300)
-            await wait_ready(f"{url['router']}/health", 30)
-            await measure(url["prefill"], url["decode"], url["router"])
+            await wait_ready(f"{url}/health", 30)
+            await measure(prefill.url, decode.url, url)
         asyncio.run(run())
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        if router is not None:
+            router.terminate()
+            router.wait(30)
+        prefill.stop()
+        decode.stop()
     print(f"bench_router: logs in {work}", file=sys.stderr)
     return 0
 

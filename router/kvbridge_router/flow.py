@@ -17,7 +17,6 @@ read blocks that hold another request's KV by then. A retry always prefills agai
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,8 +54,9 @@ def check_request(path: str, body: Any) -> dict[str, Any]:
 
 
 def prefill_request(path: str, body: Mapping[str, Any]) -> dict[str, Any]:
-    """The prefill's request: compute the prompt, keep its KV for the decode."""
-    out = copy.deepcopy(dict(body))
+    """The prefill's request: compute the prompt, keep its KV for the decode. Only top-level
+    keys change, so a shallow copy leaves the client's body as it was."""
+    out = dict(body)
     out["max_tokens"] = 1
     if path == CHAT and "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
@@ -70,7 +70,7 @@ def prefill_request(path: str, body: Mapping[str, Any]) -> dict[str, Any]:
 def decode_request(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any]
                    ) -> dict[str, Any]:  # fmt: skip
     """The decode's request: the client's, reading the prompt's KV from the prefill."""
-    out = copy.deepcopy(dict(body))
+    out = dict(body)
     out["kv_transfer_params"] = dict(kv_transfer_params)
     return out
 

@@ -8,8 +8,9 @@ request reads it once per attempt, so a pair the watch drops gets no new request
 next read. The balancer's counts are touched only on the loop.
 
 Failures: a prefill that fails, answers an error or returns no ``kv_transfer_params``, or a
-decode that fails before its first byte, costs the request one retry on another pair; after
-the first byte was sent to the client, a streaming answer ends with an error event. A client
+decode that fails before the client saw a byte (a stream's first chunk; a whole non-streaming
+answer, sent in one piece), costs the request one retry on another pair; after the first byte
+was sent to the client, a streaming answer ends with an error event. A client
 that goes away cancels its handler, which closes the decode connection: vLLM aborts the
 request and, when it had not read the prompt's KV yet, tells the prefill to free the blocks
 (vLLM's abort path), instead of holding them for the lease.
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -46,6 +48,10 @@ log = logging.getLogger("kvbridge.router")
 
 ATTEMPTS = 2          # the first try and one retry on another pair
 MAX_LEASE_REPREFILLS = 2
+SSE = "text/event-stream"
+JSON_HEADERS = {"Content-Type": "application/json"}
+_encode = msgspec.json.Encoder().encode
+_decode_json = msgspec.json.Decoder().decode
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,7 @@ class Router:
         self.settings = settings
         self.balancer = Balancer()
         self.session: aiohttp.ClientSession | None = None
+        self._outstanding: dict[tuple[str, str], Any] = {}  # gauge children, looked up once
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 2**20)
@@ -137,8 +144,8 @@ class Router:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
         try:
-            body = check_request(request.path, await request.json())
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = check_request(request.path, _decode_json(await request.read()))
+        except msgspec.DecodeError:
             return self._count(_error(400, "request body: expected JSON", "invalid_request_error"),
                                "rejected")
         except RequestError as exc:
@@ -205,14 +212,15 @@ class Router:
         began = time.monotonic()
         try:
             async with self.session.post(
-                    self._url(engine, path), json=prefill_request(path, body),
+                    self._url(engine, path), data=_encode(prefill_request(path, body)),
+                    headers=JSON_HEADERS,
                     timeout=aiohttp.ClientTimeout(total=self.settings.prefill_timeout_s)
             ) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
                     raise UpstreamError("prefill", f"prefill answered HTTP {resp.status}: "
                                         f"{raw[:300].decode(errors='replace')}")
-                params = transfer_params(json.loads(raw))
+                params = transfer_params(_decode_json(raw))
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise UpstreamError("prefill", f"prefill {engine.engine_id}: "
                                 f"{type(exc).__name__}: {exc}") from exc
@@ -229,23 +237,51 @@ class Router:
         try:
             try:
                 resp = await self.session.post(
-                    self._url(engine, request.path), json=body,
+                    self._url(engine, request.path), data=_encode(body), headers=JSON_HEADERS,
                     timeout=aiohttp.ClientTimeout(
                         total=None, sock_connect=self.settings.decode_connect_timeout_s))
-                first = await resp.content.readany()
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise UpstreamError("decode", f"decode {engine.engine_id}: "
                                     f"{type(exc).__name__}: {exc}") from exc
             try:
-                if resp.status >= 500 or not first:
-                    raise UpstreamError("decode", f"decode answered HTTP {resp.status}: "
-                                        f"{first[:300].decode(errors='replace')}")
+                if resp.content_type != SSE:
+                    return await self._answer(resp, pair, started)
+                first = await self._first_chunk(resp, engine)
                 m.TTFT_SECONDS.observe(time.monotonic() - started)
                 return await self._relay(request, resp, first, pair)
             finally:
                 resp.release()
         finally:
             m.DECODE_SECONDS.observe(time.monotonic() - began)
+
+    async def _answer(self, resp: aiohttp.ClientResponse, pair: Pair, started: float
+                      ) -> web.Response:  # fmt: skip
+        """A whole (non-streaming) answer, sent in one piece; until it is complete nothing
+        reached the client, so a decode failing before then costs a retry, not an error."""
+        try:
+            raw = await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamError("decode", f"decode {pair.decode.engine_id}: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        if resp.status >= 500 or not raw:
+            raise UpstreamError("decode", f"decode answered HTTP {resp.status}: "
+                                f"{raw[:300].decode(errors='replace')}")
+        m.TTFT_SECONDS.observe(time.monotonic() - started)
+        out = web.Response(status=resp.status, body=raw,
+                           headers={"Content-Type": resp.headers.get("Content-Type", "")})
+        return self._count(out, "answered" if resp.status < 400 else "rejected", pair)
+
+    @staticmethod
+    async def _first_chunk(resp: aiohttp.ClientResponse, engine: Engine) -> bytes:
+        try:
+            first = await resp.content.readany()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamError("decode", f"decode {engine.engine_id}: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        if resp.status >= 500 or not first:
+            raise UpstreamError("decode", f"decode answered HTTP {resp.status}: "
+                                f"{first[:300].decode(errors='replace')}")
+        return first
 
     async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, first: bytes,
                      pair: Pair) -> web.StreamResponse:  # fmt: skip
@@ -260,7 +296,7 @@ class Router:
                 await out.write(chunk)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("decode %s failed mid-answer: %s", pair.decode.engine_id, exc)
-            if resp.content_type == "text/event-stream":
+            if resp.content_type == SSE:
                 event = {"error": {"message": f"decode {pair.decode.engine_id} failed after "
                                    f"the first byte: {type(exc).__name__}: {exc}",
                                    "type": "upstream_error", "code": 502}}
@@ -269,10 +305,17 @@ class Router:
         await out.write_eof()
         return self._count(out, outcome, pair)
 
+    def _gauge(self, engine: Engine) -> Any:
+        key = (engine.engine_id, engine.role)
+        gauge = self._outstanding.get(key)
+        if gauge is None:
+            gauge = self._outstanding[key] = m.OUTSTANDING.labels(*key)
+        return gauge
+
     def _start(self, engine: Engine) -> None:
         self.balancer.start(engine)
-        m.OUTSTANDING.labels(engine.engine_id, engine.role).inc()
+        self._gauge(engine).inc()
 
     def _done(self, engine: Engine) -> None:
         self.balancer.done(engine)
-        m.OUTSTANDING.labels(engine.engine_id, engine.role).dec()
+        self._gauge(engine).dec()

@@ -20,7 +20,8 @@ from kvbridge_router.table import Engine, RoutingTable
 
 class FakeEngine:
     """One engine on 127.0.0.1; ``mode`` decides how it answers: ok, error (HTTP 500),
-    drop (closes the connection before answering) or midstream (streams a chunk, then drops)."""
+    drop (closes the connection before answering), midstream (streams a chunk, then drops) or
+    partial (a non-streaming answer: its headers and part of its body, then drops)."""
 
     def __init__(self, name: str, mode: str = "ok") -> None:
         self.name, self.mode, self.calls = name, mode, 0
@@ -53,6 +54,14 @@ class FakeEngine:
             return web.json_response({"choices": [{"text": "a"}], "kv_transfer_params": {
                 "do_remote_prefill": True, "remote_engine_id": self.name}})
         text = f"{params['remote_engine_id']}->{self.name}"
+        if self.mode == "partial" and not body.get("stream"):
+            out = web.StreamResponse(headers={"Content-Type": "application/json",
+                                              "Content-Length": "1000"})
+            await out.prepare(request)
+            await out.write(b'{"choices": [{"text": "')
+            assert request.transport is not None
+            request.transport.close()
+            return out
         if not body.get("stream"):
             return web.json_response({"choices": [{"text": text}]})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -124,6 +133,17 @@ def test_decode_failure_before_the_first_byte_is_retried_on_another_pair() -> No
             assert status == 200 and json.loads(text)["choices"][0]["text"] == "p0->d1"
         assert engines["d0"].calls >= 1
     run(scenario, p0="ok", d0="drop", d1="ok")
+
+
+def test_a_whole_answer_cut_short_is_retried_on_another_pair() -> None:
+    """A non-streaming answer goes to the client in one piece, so a decode that fails in
+    the middle of it has sent the client nothing yet: the request is retried, not broken."""
+    async def scenario(url: str, engines: dict[str, FakeEngine]) -> None:
+        for _ in range(3):
+            status, text = await post(url, PROMPT)
+            assert status == 200 and json.loads(text)["choices"][0]["text"] == "p0->d1"
+        assert engines["d0"].calls >= 1
+    run(scenario, p0="ok", d0="partial", d1="ok")
 
 
 def test_every_pair_failing_is_a_502_naming_the_attempts() -> None:
