@@ -77,9 +77,10 @@ class OpenAIServer:
 
     def start(self) -> OpenAIServer:
         with self.log_path.open("wb") as log:
-            # A session of its own: kill() takes vLLM's engine-core and worker children too.
+            # Not in a session of its own: with start_new_session the engines' first KV pulls
+            # stalled for minutes in 5 of 5 runs here (none without it); kill() walks /proc.
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT)
         return self
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> OpenAIServer:
@@ -100,21 +101,26 @@ class OpenAIServer:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL to the server and every process it started, as a node losing the pod."""
+        """SIGKILL to the server and every process it started (vLLM's engine core and its
+        worker), as a node losing the pod."""
         if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in (self.proc.pid, *descendants(self.proc.pid)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self.proc.wait(30)
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.proc is None:
             return
+        children = descendants(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout)
-        self.kill()  # whatever of its children outlived it
+        for pid in children:   # whatever of them outlived it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def log_tail(self, chars: int = 6000) -> str:
         try:
@@ -125,6 +131,27 @@ class OpenAIServer:
     def _error(self, message: str) -> EngineError:
         return EngineError(f"vllm serve {self.name}: {message}; log {self.log_path}:\n"
                            f"{self.log_tail()}")  # fmt: skip
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc), children first."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        parents.setdefault(ppid, []).append(int(entry.name))
+    out: list[int] = []
+    todo = list(parents.get(pid, []))
+    while todo:
+        child = todo.pop(0)
+        out.append(child)
+        todo.extend(parents.get(child, []))
+    return out
 
 
 def start_servers(*servers: OpenAIServer, timeout: float = START_TIMEOUT_S) -> None:

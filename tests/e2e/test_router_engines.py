@@ -1,0 +1,307 @@
+"""The P/D router in front of real vLLM engines as processes, on the local control plane.
+
+Four ``vllm serve`` processes with KVBridgeConnector stand in for pods (their Pod objects on
+the fake nodes give them identities, ownerReferences and pod-bound tokens): one prefill, two
+decodes and a third decode in bfloat16, which the operator refuses. ``kvbridge-router`` runs
+as a process with a ServiceAccount that may only read KVTransfers and KVEndpoints, and
+follows what the operator and the decodes' handshakes report. Checked here: greedy tokens
+equal one engine's under concurrency, the refused decode never receives a request, the
+official openai client, the abort path (a client that leaves while its decode waits gets
+the prefill's blocks freed at once, not after the lease), and a decode killed under load
+(no wrong tokens, the failed attempts retried on the other pair).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import vllm_pods as vp
+from kvb_e2e import Api, wait_for
+from kvbridge_cluster import free_port
+from sim import SimPod, create_agent_rbac, pod_bound_token
+from vllm_harness import EngineError, vllm_python
+from vllm_servers import OpenAIServer, connector_config, start_servers
+
+from kvbridge_operator.config import TRANSFERS
+
+pytestmark = [pytest.mark.k8s, pytest.mark.nixl, pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.timeout(900)]  # fmt: skip
+log = logging.getLogger(__name__)
+
+AGENT_SA, ROUTER_SA = "kvbridge-agent", "kvbridge-router"
+MAX_TOKENS = 8
+#: The prefill's kv_lease_duration: long, so that blocks freed early are told from blocks
+#: that expired. The router is told the same.
+LEASE_S = 120
+ROUTER_RULES = [{"apiGroups": ["kvbridge.io"], "resources": ["kvtransfers", "kvendpoints"],
+                 "verbs": ["get", "list", "watch"]}]  # fmt: skip
+
+
+@dataclass
+class Serving:
+    ns: str
+    engines: dict[str, OpenAIServer]
+    pods: dict[str, SimPod]
+    router: str
+    router_proc: subprocess.Popen[bytes]
+    references: dict[str, list[int]]
+
+    def engine_id(self, name: str) -> str:
+        return f"{self.ns}-{name}"
+
+
+def router_rbac(api: Api, ns: str) -> None:
+    from kubernetes import client
+
+    rbac = client.RbacAuthorizationV1Api(api.core.api_client)
+    api.core.create_namespaced_service_account(ns, {"metadata": {"name": ROUTER_SA}})
+    rbac.create_namespaced_role(ns, {"metadata": {"name": ROUTER_SA}, "rules": ROUTER_RULES})
+    rbac.create_namespaced_role_binding(ns, {
+        "metadata": {"name": ROUTER_SA},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ROUTER_SA},
+        "subjects": [{"kind": "ServiceAccount", "name": ROUTER_SA, "namespace": ns}]})
+
+
+@pytest.fixture(scope="module")
+def serving(cluster: Any, api: Api, operator: Any, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[Serving]:  # fmt: skip
+    try:
+        vllm_python()
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    work = tmp_path_factory.mktemp("router-engines")
+    ns = f"router-engines-{uuid.uuid4().hex[:5]}"
+    api.core.create_namespace({"metadata": {"name": ns}})
+    create_agent_rbac(cluster.api_client(), ns, AGENT_SA)
+    router_rbac(api, ns)
+    api.create_transfer(ns)
+    from kvbridge_agent._testmodel import write_test_model
+
+    model = write_test_model(work / "model", seed=9)
+    # name: (role, dtype, extra_config); decodes take one request at a time, so that a
+    # request can be made to wait at a busy decode (the abort test).
+    layout = {"prefill-0": ("prefill", "float32", {"kv_lease_duration": LEASE_S}),
+              "decode-0": ("decode", "float32", {}), "decode-1": ("decode", "float32", {}),
+              "decode-bf16": ("decode", "bfloat16", {})}  # fmt: skip
+    engines: dict[str, OpenAIServer] = {}
+    pods: dict[str, SimPod] = {}
+    router_proc = None
+    try:
+        for name, (role, dtype, extra) in layout.items():
+            pod = SimPod(cluster, ns, name, role=role, engine_id=f"{ns}-{name}",
+                         sa=AGENT_SA).create_pod()
+            token = pod_bound_token(cluster.kubectl, ns, AGENT_SA, pod.name)
+            pods[name] = pod
+            engines[name] = OpenAIServer(
+                model, work, name, dtype=dtype, max_num_seqs=None if role == "prefill" else 1,
+                connector=connector_config(engine_id=pod.engine_id, **extra),
+                env={"POD_NAME": pod.name, "POD_UID": pod.uid, "POD_NAMESPACE": ns,
+                     "NODE_NAME": pod.node, "POD_IP": "127.0.0.1",
+                     "KUBECONFIG": str(cluster.kubeconfig_for_token(token, f"{ns}-{name}")),
+                     "KVBRIDGE_POD_LABELS_FILE": str(work / "no-labels"),
+                     "KVBRIDGE_TRANSFER": "kvt", "KVBRIDGE_ROLE": role,
+                     "KVBRIDGE_SYNC_INTERVAL_S": "0.5"})  # fmt: skip
+        started = time.monotonic()
+        start_servers(*engines.values())
+        log.info("four vllm serve processes up in %.0f s", time.monotonic() - started)
+
+        token = cluster.kubectl("create", "token", ROUTER_SA, "-n", ns).stdout.strip()
+        port = free_port()
+        router_log = (work / "router.log").open("wb")
+        router_proc = subprocess.Popen(
+            [sys.executable, "-m", "kvbridge_router", "--transfer", "kvt", "--namespace", ns,
+             "--host", "127.0.0.1", "--port", str(port), "--lease-seconds", str(LEASE_S),
+             "--kubeconfig", str(cluster.kubeconfig_for_token(token, f"{ns}-router"))],
+            stdout=router_log, stderr=subprocess.STDOUT)  # fmt: skip
+        router = f"http://127.0.0.1:{port}"
+
+        def router_up() -> bool:
+            if router_proc is not None and router_proc.poll() is not None:
+                raise AssertionError(f"kvbridge-router exited: {(work / 'router.log').read_text()}")
+            return vp.http_ok(f"{router}/metrics")
+
+        wait_for(router_up, timeout=60, what="kvbridge-router serving")
+        # Reference tokens: the prefill computing each prompt alone.
+        references = {p: vp.post(f"{engines['prefill-0'].url}/v1/completions",
+                                 vp.completion(p, MAX_TOKENS))["choices"][0]["token_ids"]
+                      for p in vp.prompts(4, seed=31)}  # fmt: skip
+        yield Serving(ns, engines, pods, router, router_proc, references)
+    finally:
+        if router_proc is not None:
+            router_proc.terminate()
+            router_proc.wait(30)
+        for e in engines.values():
+            e.stop()
+        for t in api.list(TRANSFERS, ns):
+            api.delete(TRANSFERS, ns, t["metadata"]["name"])
+        wait_for(lambda: not api.list(TRANSFERS, ns), timeout=30, what="KVTransfers deleted")
+        api.core.delete_namespace(ns)
+
+
+def answered_by_decode(s: Serving) -> dict[str, float]:
+    """The router's answered requests per decode engine id."""
+    return {labels["decode"]: n for labels, n in vp.router_series(
+        s.router, "kvbridge_router_requests_total")
+        if labels["outcome"] == "answered" and labels["decode"]}  # fmt: skip
+
+
+def retried(s: Serving) -> float:
+    return sum(n for _, n in vp.router_series(s.router, "kvbridge_router_retries_total"))
+
+
+def test_concurrent_requests_take_verified_pairs_only(api: Api, serving: Serving) -> None:
+    s = serving
+    wait_for(lambda: (api.endpoint(s.ns, "decode-bf16").get("status") or {}).get("state")
+             == "Incompatible", timeout=120, what="the bfloat16 decode refused")  # fmt: skip
+    status = api.endpoint(s.ns, "decode-bf16")["status"]
+    assert status["message"].startswith("spec.compatibilityHash: incompatible"), status
+    health = wait_for(lambda: (lambda h: h if h.get("verifiedPairs") == 2 else None)(
+        vp.get_json(f"{s.router}/health")), timeout=120, what="two verified pairs")
+    assert health == {"status": "ok", "verifiedPairs": 2}
+    # Engines are reached at the port their KVEndpoint states, not one port for all.
+    assert api.endpoint(s.ns, "decode-0")["spec"]["servingPort"] == s.engines["decode-0"].port
+
+    jobs = [prompt for prompt in s.references for _ in range(4)]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(
+            lambda p: vp.post(f"{s.router}/v1/completions", vp.completion(p, MAX_TOKENS)), jobs))
+    assert [a["choices"][0]["token_ids"] for a in answers] == [s.references[p] for p in jobs]
+    served = answered_by_decode(s)
+    assert set(served) == {s.engine_id("decode-0"), s.engine_id("decode-1")}, served
+    assert sum(served.values()) == len(jobs)
+    # The refused decode saw no request at all, and the prompts were pulled, not recomputed.
+    bad = vp.scrape_url(f"{s.engines['decode-bf16'].url}/metrics")
+    assert vp.metric_sum(bad, "vllm:request_success_total") == 0
+    for name in ("decode-0", "decode-1"):
+        metrics = vp.scrape_url(f"{s.engines[name].url}/metrics")
+        assert vp.metric_sum(metrics, "vllm:external_prefix_cache_hits_total") > 0, name
+
+
+def test_openai_client_through_the_router(serving: Serving) -> None:
+    import openai
+
+    s = serving
+    client = openai.OpenAI(base_url=f"{s.router}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [vp.MODEL]
+    prompt, reference = next(iter(s.references.items()))
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    done = client.completions.create(model=vp.MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                     temperature=0, extra_body=extra)
+    assert done.choices[0].token_ids == reference  # type: ignore[attr-defined]
+    stream = client.completions.create(model=vp.MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                       temperature=0, stream=True, extra_body=extra)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == done.choices[0].text
+    chat = [{"role": "user", "content": prompt}]
+    answer = client.chat.completions.create(model=vp.MODEL, messages=chat, temperature=0,
+                                            max_tokens=MAX_TOKENS, extra_body=extra)
+    pieces = client.chat.completions.create(model=vp.MODEL, messages=chat, temperature=0,
+                                            max_tokens=MAX_TOKENS, stream=True,
+                                            extra_body=extra)  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
+    assert answer.choices[0].message.content == text and answer.usage.completion_tokens == 8
+
+
+def kv_usage(server: OpenAIServer) -> float:
+    return vp.metric_sum(vp.scrape_url(f"{server.url}/metrics"), "vllm:kv_cache_usage_perc")
+
+
+def test_a_client_leaving_before_its_decode_read_frees_the_prefills_blocks(
+        serving: Serving) -> None:
+    """Both decodes busy with long requests (one request at a time each), a routed request
+    waits at one of them after its prefill; the client leaves. The decode aborts it and
+    tells the prefill, which frees the prompt's blocks while the decodes are still busy,
+    far inside its lease. A prefill answer no decode ever asks for stays held: the usage
+    gauge shows held blocks."""
+    s = serving
+    prefill = s.engines["prefill-0"]
+    unread = vp.prompts(1, seed=41)[0]   # prefilled for a remote decode that never comes
+    vp.post(f"{prefill.url}/v1/completions",
+            vp.completion(unread, 1, kv_transfer_params={"do_remote_decode": True}))
+    held = wait_for(lambda: kv_usage(prefill) or None, timeout=10, what="held blocks shown")
+    successes = {n: vp.metric_sum(vp.scrape_url(f"{s.engines[n].url}/metrics"),
+                                  "vllm:request_success_total")
+                 for n in ("decode-0", "decode-1")}  # fmt: skip
+    # ~950 tokens each: several seconds of decoding on both decodes.
+    with ThreadPoolExecutor(2) as pool:
+        blockers = [pool.submit(vp.post, f"{s.engines[n].url}/v1/completions",
+                                vp.completion("alpha bravo", 950), 300.0)
+                    for n in ("decode-0", "decode-1")]  # fmt: skip
+        wait_for(lambda: all(vp.metric_sum(vp.scrape_url(f"{s.engines[n].url}/metrics"),
+                                           "vllm:num_requests_running") == 1
+                             for n in ("decode-0", "decode-1")), timeout=30,
+                 what="both decodes busy")  # fmt: skip
+        body = json.dumps(vp.completion(vp.prompts(1, seed=42)[0], 20, stream=True)).encode()
+        port = int(s.router.rsplit(":", 1)[1])
+        client = socket.create_connection(("127.0.0.1", port))
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n"
+                       b"Content-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        waiting = wait_for(lambda: (lambda u: u if u > held else None)(kv_usage(prefill)),
+                           timeout=30, what="the routed prompt prefilled and held")
+        client.close()
+        freed_at = wait_for(lambda: kv_usage(prefill) <= held and time.monotonic(),
+                            timeout=30, interval=0.2, what="the prefill freeing the blocks")
+        still_busy = not all(b.done() for b in blockers)
+        for b in blockers:
+            assert len(b.result()["choices"][0]["token_ids"]) == 950
+    log.info("abort path: prefill KV usage %.4f held, %.4f with the waiting request, back to "
+             "%.4f after the client left (decodes still busy: %s)", held, waiting,
+             kv_usage(prefill), still_busy)
+    assert freed_at and still_busy, "freed only once a decode was free to read: not the abort"
+    # The aborted request never ran on a decode; the unread answer is still held.
+    for n, before in successes.items():
+        after = vp.metric_sum(vp.scrape_url(f"{s.engines[n].url}/metrics"),
+                              "vllm:request_success_total")  # fmt: skip
+        assert after == before + 1, (n, before, after)
+    assert kv_usage(prefill) == held
+
+
+def test_a_decode_killed_under_load_never_answers_wrong_tokens(api: Api,
+                                                               serving: Serving) -> None:
+    s = serving
+    stop = threading.Event()
+    results: list[tuple[str, Any]] = []
+
+    def client(offset: int) -> None:
+        prompts = list(s.references)
+        while not stop.is_set():
+            prompt = prompts[offset % len(prompts)]
+            offset += 1
+            try:
+                answer = vp.post(f"{s.router}/v1/completions", vp.completion(prompt, MAX_TOKENS))
+                results.append((prompt, answer["choices"][0]["token_ids"]))
+            except (vp.EngineError, EngineError) as exc:
+                results.append((prompt, exc))
+
+    retries_before = retried(s)
+    with ThreadPoolExecutor(4) as pool:
+        clients = [pool.submit(client, i) for i in range(4)]
+        wait_for(lambda: len(results) >= 8, timeout=120, what="requests flowing")
+        s.engines["decode-1"].kill()
+        s.pods["decode-1"].delete_pod()   # the pod gone: its KVEndpoint is collected
+        wait_for(lambda: vp.get_json(f"{s.router}/health").get("verifiedPairs") == 1,
+                 timeout=90, what="the router dropping the killed decode's pair")
+        settled = len(results)
+        wait_for(lambda: len(results) >= settled + 8, timeout=120, what="requests after it")
+        stop.set()
+        for c in clients:
+            c.result()
+    answered = [(p, t) for p, t in results if not isinstance(t, Exception)]
+    failed = [t for _, t in results if isinstance(t, Exception)]
+    log.info("decode-1 killed under load: %d answered, %d failed, %d retried on another pair",
+             len(answered), len(failed), retried(s) - retries_before)
+    assert [t for p, t in answered if t != s.references[p]] == []
+    assert not failed, failed
+    assert "decode-1" not in api.endpoints(s.ns)
