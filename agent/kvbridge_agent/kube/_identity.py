@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import KVBridgeError
+
 ENV_POD_NAME = "POD_NAME"
 ENV_POD_UID = "POD_UID"
 ENV_POD_NAMESPACE = "POD_NAMESPACE"
@@ -21,7 +23,7 @@ DEFAULT_POD_LABELS_FILE = "/etc/podinfo/labels"
 ENV_SERVING_PORT = "KVBRIDGE_SERVING_PORT"
 
 
-class PodLabelsError(ValueError):
+class PodLabelsError(KVBridgeError, ValueError):
     """The labels file is not in the downward API's ``key="value"`` format."""
 
 

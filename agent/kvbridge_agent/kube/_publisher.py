@@ -11,13 +11,14 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ..errors import KVBridgeError
 from ._identity import PodIdentity
 
 GROUP, VERSION, PLURAL = "kvbridge.io", "v1alpha1", "kvendpoints"
 log = logging.getLogger("kvbridge.agent.kube")
 
 
-class PublishError(RuntimeError):
+class PublishError(KVBridgeError, RuntimeError):
     """The KVEndpoint could not be written (the message carries the apiserver's reason)."""
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from ..errors import KVBridgeError
+
 __all__ = [
     "CallDetail",
     "DataPlaneError",
@@ -25,7 +27,7 @@ __all__ = [
 ]
 
 
-class DataPlaneError(RuntimeError):
+class DataPlaneError(KVBridgeError, RuntimeError):
     """Base class of the errors this package raises."""
 
 

@@ -10,6 +10,7 @@ from enum import StrEnum
 from typing import Any, NamedTuple
 
 from .. import rules
+from ..errors import KVBridgeError
 
 __all__ = [
     "DECODE",
@@ -36,7 +37,7 @@ def utc_timestamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-class AgentError(Exception):
+class AgentError(KVBridgeError):
     """Base of the agent service's own errors (each also derives from the built-in error
     callers caught before these existed)."""
 

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 
 import msgspec
 
+from ..errors import KVBridgeError
+
 HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 DEFAULT_HOST = "localhost"
@@ -20,7 +22,7 @@ MAX_REPLY_BYTES = 256 * 1024 * 1024
 """ZMQ_MAXMSGSIZE of the client: metadata of a few hundred regions is well below this."""
 
 
-class SideChannelError(RuntimeError):
+class SideChannelError(KVBridgeError, RuntimeError):
     """Base of side-channel failures (transport, timeouts, rejected requests)."""
 
 

@@ -32,13 +32,15 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.utils import select_common_block_size
 
+from ..errors import KVBridgeError
+
 __all__ = ["EngineFacts", "UnsupportedVllmSettingError", "read_engine_facts",
            "refuse_unsupported"]
 
 ROLE_BY_KV_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "decode"}
 
 
-class UnsupportedVllmSettingError(ValueError):
+class UnsupportedVllmSettingError(KVBridgeError, ValueError):
     """A vLLM setting the kvbridge connector does not support; the message names it."""
 
 
