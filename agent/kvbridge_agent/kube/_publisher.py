@@ -12,9 +12,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..errors import KVBridgeError
+from ..resources import API_VERSION, ENDPOINT_KIND, ENDPOINTS, GROUP, VERSION
 from ._identity import PodIdentity
 
-GROUP, VERSION, PLURAL = "kvbridge.io", "v1alpha1", "kvendpoints"
+PLURAL = ENDPOINTS
 log = logging.getLogger("kvbridge.agent.kube")
 
 
@@ -79,7 +80,7 @@ class EndpointPublisher:
 
         ns = self.pod.namespace
         body = {
-            "apiVersion": f"{GROUP}/{VERSION}", "kind": "KVEndpoint",
+            "apiVersion": API_VERSION, "kind": ENDPOINT_KIND,
             "metadata": {"name": self.name, "namespace": ns, "labels": self.labels,
                          "ownerReferences": [self.pod.owner_reference()]},
             "spec": dict(spec),

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 from .. import rules
 from ..errors import KVBridgeError
+from ..resources import DECODE, HANDSHAKE_TIMEOUT_S, PREFILL, TRANSFER_TIMEOUT_S
 
 __all__ = [
     "DECODE",
@@ -28,9 +29,6 @@ __all__ = [
     "UnknownRequestError",
     "WrongSideError",
 ]
-
-PREFILL, DECODE = "prefill", "decode"
-
 
 def utc_timestamp() -> str:
     """Now, as the RFC 3339 UTC string Kubernetes status fields use."""
@@ -160,8 +158,8 @@ class AgentSettings:
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0
     advertise_host: str | None = None
-    handshake_timeout_s: float = 5.0
-    transfer_timeout_s: float = 30.0
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
+    transfer_timeout_s: float = TRANSFER_TIMEOUT_S
     progress_interval_s: float = 0.01
     mem_types: Any = None
     epoch: int | None = None

@@ -8,12 +8,13 @@ from collections.abc import Mapping
 import msgspec
 
 from ..errors import KVBridgeError
+from ..resources import HANDSHAKE_TIMEOUT_S
 
 HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 DEFAULT_HOST = "localhost"
 DEFAULT_PORT = 5600
-DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_TIMEOUT_S = HANDSHAKE_TIMEOUT_S
 """vLLM's handshake receive timeout (spec §1.1)."""
 
 MAX_REQUEST_BYTES = 64 * 1024

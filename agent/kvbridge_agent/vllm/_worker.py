@@ -39,8 +39,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 
 from .. import metrics
 from ..geometry import handshake_target_ranks
+from ..resources import HANDSHAKE_TIMEOUT_S, ROLES, TRANSFER_TIMEOUT_S
 from ..service import AgentService, AgentSettings, EngineInfo, PeerRef
-from ._facts import EngineFacts, UnsupportedVllmSettingError, read_engine_facts
+from ._facts import UnsupportedVllmSettingError, VllmEngineFacts, read_engine_facts
 from ._layers import LayerCache, layer_views
 
 __all__ = ["KVBridgeWorker"]
@@ -84,18 +85,20 @@ class KVBridgeWorker:
     copy_blocks = None
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
-        self.facts: EngineFacts = read_engine_facts(vllm_config, engine_id, kv_cache_config)
+        self.facts: VllmEngineFacts = read_engine_facts(vllm_config, engine_id, kv_cache_config)
         extra = self.facts.extra
         self.role = os.environ.get("KVBRIDGE_ROLE") or self.facts.role
-        if self.role not in ("prefill", "decode"):
+        if self.role not in ROLES:
             raise UnsupportedVllmSettingError(
                 f"KVBRIDGE_ROLE={self.role!r}: expected 'prefill' or 'decode'")
         if self.facts.kv_role == "kv_producer" and self.role == "decode":
             raise UnsupportedVllmSettingError(
                 "KVBRIDGE_ROLE='decode' with kv_role='kv_producer': a producer never pulls; "
                 "use kv_role 'kv_consumer' or 'kv_both'")
-        self.transfer_timeout_s = float(extra.get("kvbridge_transfer_timeout_s", 30.0))
-        self.handshake_timeout_s = float(extra.get("kvbridge_handshake_timeout_s", 5.0))
+        self.transfer_timeout_s = float(
+            extra.get("kvbridge_transfer_timeout_s", TRANSFER_TIMEOUT_S))
+        self.handshake_timeout_s = float(
+            extra.get("kvbridge_handshake_timeout_s", HANDSHAKE_TIMEOUT_S))
         self.lease_s = float(extra.get("kv_lease_duration", 30))
         self.enforce_hash = bool(extra.get("enforce_handshake_compat", True))
         # vLLM's NIXL worker reads the same key with the same default (UCX worker threads)
