@@ -7,11 +7,14 @@ kopf); only using this package does.
 - :func:`endpoint_spec`: the KVEndpoint ``spec`` for an agent's registration.
 - :class:`EndpointPublisher`: create or update the KVEndpoint (owned by the Pod), write the
   agent's own ``status.handshakes``.
+- :class:`PodDuties`: what a pod runs beside its agent (metrics, the sync), started and
+  stopped in one place.
 - :class:`EndpointSync`: a thread that follows the KVEndpoint's status (the operator's
   assigned ``peers``), drives :meth:`AgentService.set_peers` and reports the results.
 """
 
 from ._document import endpoint_spec
+from ._duties import PodDuties
 from ._identity import PodIdentity, api_client
 from ._publisher import EndpointPublisher, PublishError
 from ._sync import EndpointSync
@@ -19,6 +22,7 @@ from ._sync import EndpointSync
 __all__ = [
     "EndpointPublisher",
     "EndpointSync",
+    "PodDuties",
     "PodIdentity",
     "PublishError",
     "api_client",

@@ -7,11 +7,11 @@ from collections.abc import Mapping
 
 import msgspec
 
+from .. import env as names
 from ..errors import KVBridgeError
 from ..resources import HANDSHAKE_TIMEOUT_S
 
-HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
-PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+HOST_ENV, PORT_ENV = names.SIDE_CHANNEL_HOST, names.SIDE_CHANNEL_PORT
 DEFAULT_HOST = "localhost"
 DEFAULT_PORT = 5600
 DEFAULT_TIMEOUT_S = HANDSHAKE_TIMEOUT_S
