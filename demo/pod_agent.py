@@ -83,8 +83,7 @@ def build_views(preset: str, seed: int | None) -> tuple[list[np.ndarray], list[A
 
 class PodAgent:
     def __init__(self, args: argparse.Namespace) -> None:
-        from kvbridge_agent import metrics
-        from kvbridge_agent.kube import EndpointPublisher, EndpointSync, PodIdentity, api_client
+        from kvbridge_agent.kube import EndpointPublisher, PodDuties, PodIdentity, api_client
         from kvbridge_agent.nixl import CPU_TEST_MEM_TYPES
         from kvbridge_agent.service import AgentService, AgentSettings, EngineInfo
 
@@ -117,11 +116,15 @@ class PodAgent:
                           mem_types=CPU_TEST_MEM_TYPES, epoch=epoch,
                           handshake_timeout_s=args.handshake_timeout,
                           transfer_timeout_s=args.transfer_timeout)).start()
-        self.metrics_port = metrics.serve(args.metrics_port, args.metrics_addr) \
-            if args.metrics_port >= 0 else 0
-        self.sync = EndpointSync(self.service, publisher, args.transfer,
-                                 interval_s=args.sync_interval)
-        self.sync.start()
+        try:
+            self.duties = PodDuties.start(
+                self.service, metrics_port=args.metrics_port if args.metrics_port >= 0 else None,
+                metrics_addr=args.metrics_addr, publisher=publisher, transfer=args.transfer,
+                sync_interval_s=args.sync_interval)
+        except BaseException:
+            self.service.close()
+            raise
+        self.metrics_port = self.duties.metrics_port or 0
 
     def status(self) -> dict[str, Any]:
         return {"epoch": self.service.epoch, "agent": self.service.agent_name,
@@ -194,7 +197,7 @@ class PodAgent:
         raise ValueError(f"unknown command {op!r}")
 
     def close(self) -> None:
-        self.sync.stop()
+        self.duties.stop()
         self.service.close()
 
 

@@ -1,6 +1,6 @@
 """The compatibility and consistency rules, each written once (spec §1.3, §1.6, §5, §10.11).
 
-A rule is a :class:`Rule`: an id, the verdict rule it reports under, the field it names and
+A rule is a :class:`RuleDef`: an id, the verdict rule it reports under, the field it names and
 the one sentence that says why. The checks below are small pure functions over neutral values
 (a version, a rank, per-region lists, memory types and a mode); each failed check is a
 :class:`Finding`, whose message always reads ``"<field>: expected <x>, got <y>: <why>"``.
@@ -27,7 +27,7 @@ __all__ = [
     "RULES",
     "SHARED_GROUP_ID",
     "Finding",
-    "Rule",
+    "RuleDef",
     "block_stride",
     "check_engine",
     "check_lengths",
@@ -78,7 +78,7 @@ def _same(field: str) -> str:
 
 
 @dataclass(frozen=True)
-class Rule:
+class RuleDef:
     """One rule: ``id`` is unique, ``reports`` the verdict rule (``protocol.Rule``) a finding
     is filed under, ``why`` ends every message, ``field`` is the wire field the rule names
     (default: the one its verdict rule is named after)."""
@@ -101,7 +101,7 @@ class Finding:
     """One failed rule: the field (as the caller names it), what was expected, what was found;
     ``note`` says where (which engine, which regions) when the field alone does not."""
 
-    rule: Rule
+    rule: RuleDef
     field: str
     expected: str
     found: Any
@@ -129,7 +129,7 @@ _POSITIVE = "the descriptor math divides and multiplies by it"
 _ONE_PER_REGION = "every per-region list has one entry per region"
 
 #: Every rule by id: (id, verdict rule it reports under, why[, wire field]).
-RULES: dict[str, Rule] = {row[0]: Rule(*row) for row in (
+RULES: dict[str, RuleDef] = {row[0]: RuleDef(*row) for row in (
     ("protocol_version", "protocol_version",
      "the wire format and the descriptor math differ between versions"),
     ("tp_rank", "tp_rank", "tensor-parallel ranks count from 0"),

@@ -5,17 +5,18 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-GROUP = "kvbridge.io"
-VERSION = "v1alpha1"
-TRANSFERS = "kvtransfers"
-ENDPOINTS = "kvendpoints"
-#: kopf finalizer on KVTransfers (clears the endpoints' peers before the transfer goes).
-FINALIZER = "kvbridge.io/finalizer"
-#: Prefix of kopf's progress/diff-base annotations (``kvbridge.io/...``).
-ANNOTATION_PREFIX = "kvbridge.io"
+from kvbridge_agent import resources as _shared
 
-PREFILL, DECODE = "prefill", "decode"
-ROLES = (PREFILL, DECODE)
+# The names the agent, the operator and the CRDs share: defined once, in kvbridge_agent.
+GROUP, VERSION = _shared.GROUP, _shared.VERSION
+TRANSFERS, ENDPOINTS = _shared.TRANSFERS, _shared.ENDPOINTS
+PREFILL, DECODE, ROLES = _shared.PREFILL, _shared.DECODE, _shared.ROLES
+
+#: kopf finalizer on KVTransfers (clears the endpoints' peers before the transfer goes).
+FINALIZER = f"{GROUP}/finalizer"
+#: Prefix of kopf's progress/diff-base annotations (``kvbridge.io/...``).
+ANNOTATION_PREFIX = GROUP
+
 #: KVEndpoint ``status.peers`` maxItems in the CRD (see README "Limits").
 MAX_PEERS = 128
 

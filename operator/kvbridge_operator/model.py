@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
+
+from kvbridge_agent.resources import endpoint_path
 
 
 class EndpointState(StrEnum):
@@ -117,45 +118,6 @@ class Plan:
         return sum(1 for p in self.pairs if p.state is PairState.VERIFIED)
 
 
-# -- field names: validate_remote speaks wire names, users read KVEndpoint paths ---------------
-
-_FIELD_PATHS = {
-    "protocol_version": "spec.protocolVersion",
-    "compatibility_hash": "spec.compatibilityHash",
-    "transfer_mode": "spec.mode",
-    "engine_id": "spec.engineId",
-    "tp_rank": "spec.tpRank",
-    "tp_size": "spec.tpSize",
-    "is_mla": "spec.geometry.isMla",
-    "dcp_size": "spec.geometry.dcpSize",
-    "pcp_size": "spec.geometry.pcpSize",
-    "kv_cache_layout": "spec.geometry.kvCacheLayout",
-    "block_size": "spec.geometry.blockSize",
-    "num_blocks": "spec.geometry.numBlocks",
-    "physical_blocks_per_logical_kv_block": "spec.geometry.physicalBlocksPerLogical",
-}
-_REGION_FIELDS = {
-    "block_lens": "blockLen",
-    "block_strides": "blockStride",
-    "region_num_blocks": "numBlocks",
-    "region_group_ids": "groupId",
-    "region_names": "name",
-    "region_mem_types": "memType",
-    "kv_caches_base_addr": "",
-}
-_INDEXED = re.compile(r"(\w+)\[(\d+)\]")
-_LENGTH = re.compile(r"len\((\w+)\)")
-
-
-def endpoint_field(wire_field: str) -> str:
-    """Map a :class:`~kvbridge_agent.protocol.Incompatibility` field to a KVEndpoint path."""
-    if m := _INDEXED.fullmatch(wire_field):
-        sub = _REGION_FIELDS.get(m.group(1))
-        if sub is not None:
-            return f"spec.geometry.regions[{m.group(2)}]" + (f".{sub}" if sub else "")
-    if _LENGTH.fullmatch(wire_field):
-        return "spec.geometry.regions"
-    if wire_field in _REGION_FIELDS:
-        sub = _REGION_FIELDS[wire_field]
-        return "spec.geometry.regions[*]" + (f".{sub}" if sub else "")
-    return _FIELD_PATHS.get(wire_field, wire_field)
+#: A :class:`~kvbridge_agent.protocol.Incompatibility` field as the KVEndpoint path users read
+#: (derived from the agent's KVEndpoint field table).
+endpoint_field = endpoint_path

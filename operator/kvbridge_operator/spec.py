@@ -13,9 +13,17 @@ from functools import cached_property
 from typing import Any
 
 from kvbridge_agent.protocol import EngineGeometry, RegionGeometry
-from kvbridge_agent.rules import MEM_TYPES, MODES
+from kvbridge_agent.resources import (
+    ENDPOINT_FIELDS,
+    GEOMETRY,
+    GEOMETRY_FIELDS,
+    REGION_FIELDS,
+    REGIONS,
+    EndpointField,
+)
+from kvbridge_agent.rules import MODES
 
-from .config import DECODE, PREFILL, ROLES
+from .config import DECODE, PREFILL
 from .errors import SpecError
 
 _MISSING = object()
@@ -105,6 +113,8 @@ class Endpoint:
     mode: str
     epoch: int
     geometry: Geometry
+    pod_uid: str = ""
+    serving_port: int = 0
     handshakes: tuple[Handshake, ...] = ()
     # Compared (not hashed): kopf's index keeps the stored value when the new one compares
     # equal, so a status-only change (the peers sticky pairing reads, the resourceVersion an
@@ -134,52 +144,39 @@ class Endpoint:
             g.regions,
             engine_id="",
             tp_size=self.tp_size,
-            block_size=g.block_size,
-            num_blocks=g.num_blocks,
-            kv_cache_layout=g.kv_cache_layout,
-            attn_backend_name=g.attention_backend,
-            physical_blocks_per_logical_kv_block=g.physical_blocks_per_logical,
-            dcp_size=g.dcp_size,
-            pcp_size=g.pcp_size,
-            is_mla=g.is_mla,
-            num_kv_heads=g.num_kv_heads,
+            **{f.wire: getattr(g, f.attr) for f in GEOMETRY_FIELDS},
             protocol_version=self.protocol_version,
             compatibility_hash=self.compatibility_hash,
             transfer_mode=self.mode,
         )
 
 
+def _field(d: Mapping[str, Any], f: EndpointField, path: str) -> Any:
+    """Read one table field of ``d`` (its parents first), checked as the table says."""
+    for parent in f.parents:
+        d = _get(d, parent, path, Mapping)
+        path = f"{path}.{parent}"
+    default = _MISSING if f.required else f.default
+    if f.choices:
+        return _enum(d, f.name, path, f.choices, default)
+    return _get(d, f.name, path, f.kind, default)
+
+
+def _fields(d: Mapping[str, Any], table: tuple[EndpointField, ...], path: str) -> dict[str, Any]:
+    return {f.attr: _field(d, f, path) for f in table}
+
+
 def parse_geometry(raw: Mapping[str, Any], path: str = "spec.geometry") -> Geometry:
-    regions_raw = _get(raw, "regions", path, list)
+    regions_raw = _get(raw, REGIONS, path, list)
     if not regions_raw:
-        raise SpecError(f"{path}.regions", "at least one region", regions_raw)
+        raise SpecError(f"{path}.{REGIONS}", "at least one region", regions_raw)
     regions = []
     for i, r in enumerate(regions_raw):
-        rp = f"{path}.regions[{i}]"
+        rp = f"{path}.{REGIONS}[{i}]"
         if not isinstance(r, Mapping):
             raise SpecError(rp, "an object", r)
-        regions.append(
-            Region(
-                name=_get(r, "name", rp, str),
-                num_blocks=_get(r, "numBlocks", rp, int),
-                group_id=_get(r, "groupId", rp, int),
-                mem_type=_enum(r, "memType", rp, MEM_TYPES),
-                block_len=_get(r, "blockLen", rp, int),
-                block_stride=_get(r, "blockStride", rp, int),
-            )
-        )
-    return Geometry(
-        block_size=_get(raw, "blockSize", path, int),
-        physical_blocks_per_logical=_get(raw, "physicalBlocksPerLogical", path, int, 1),
-        num_blocks=_get(raw, "numBlocks", path, int),
-        kv_cache_layout=_get(raw, "kvCacheLayout", path, str),
-        attention_backend=_get(raw, "attentionBackend", path, str, ""),
-        is_mla=_get(raw, "isMla", path, bool, False),
-        num_kv_heads=_get(raw, "numKvHeads", path, int, None),
-        dcp_size=_get(raw, "dcpSize", path, int, 1),
-        pcp_size=_get(raw, "pcpSize", path, int, 1),
-        regions=tuple(regions),
-    )
+        regions.append(Region(**_fields(r, REGION_FIELDS, rp)))
+    return Geometry(**_fields(raw, GEOMETRY_FIELDS, path), regions=tuple(regions))
 
 
 def parse_endpoint(body: Mapping[str, Any]) -> Endpoint:
@@ -187,7 +184,7 @@ def parse_endpoint(body: Mapping[str, Any]) -> Endpoint:
     meta = body.get("metadata") or {}
     spec = _get(body, "spec", "", Mapping)
     status = body.get("status") or {}
-    side = _get(spec, "sideChannel", "spec", Mapping)
+    _get(spec, "sideChannel", "spec", Mapping)   # named before the status is read
     handshakes = []
     for i, h in enumerate(status.get("handshakes") or ()):
         hp = f"status.handshakes[{i}]"
@@ -210,21 +207,8 @@ def parse_endpoint(body: Mapping[str, Any]) -> Endpoint:
         generation=int(meta.get("generation") or 0),
         labels=tuple(sorted((meta.get("labels") or {}).items())),
         deleting=bool(meta.get("deletionTimestamp")),
-        role=_enum(spec, "role", "spec", ROLES),
-        transfer=_get(spec, "transferName", "spec", str),
-        engine_id=_get(spec, "engineId", "spec", str),
-        pod_name=_get(spec, "podName", "spec", str),
-        node_name=_get(spec, "nodeName", "spec", str, ""),
-        host=_get(side, "host", "spec.sideChannel", str),
-        port=_get(side, "port", "spec.sideChannel", int),
-        tp_rank=_get(spec, "tpRank", "spec", int),
-        tp_size=_get(spec, "tpSize", "spec", int),
-        dp_index=_get(spec, "dpIndex", "spec", int, 0),
-        protocol_version=_get(spec, "protocolVersion", "spec", int),
-        compatibility_hash=_get(spec, "compatibilityHash", "spec", str, None),
-        mode=_enum(spec, "mode", "spec", MODES),
-        epoch=_get(spec, "epoch", "spec", int),
-        geometry=parse_geometry(_get(spec, "geometry", "spec", Mapping)),
+        **_fields(spec, ENDPOINT_FIELDS, "spec"),
+        geometry=parse_geometry(_get(spec, GEOMETRY, "spec", Mapping)),
         handshakes=tuple(handshakes),
         status=own,
         resource_version=str(meta.get("resourceVersion") or ""),

@@ -14,10 +14,10 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
-from . import limits
-from .config import GROUP, VERSION
+from kvbridge_agent.resources import API_VERSION, ENDPOINT_KIND, TRANSFER_KIND
 
-API_VERSION = f"{GROUP}/{VERSION}"
+from . import limits
+
 DEFAULT_HASH = hashlib.sha256(b"kvbridge-test-model").hexdigest()
 
 
@@ -55,7 +55,7 @@ def transfer_manifest(
     """A KVTransfer; extra keyword arguments are merged into ``spec``."""
     body: dict[str, Any] = {
         "apiVersion": API_VERSION,
-        "kind": "KVTransfer",
+        "kind": TRANSFER_KIND,
         "metadata": {"name": name},
         "spec": {
             "protocolVersion": 11,
@@ -102,7 +102,7 @@ def endpoint_manifest(
     geo.update(copy.deepcopy(dict(geometry or {})))
     body: dict[str, Any] = {
         "apiVersion": API_VERSION,
-        "kind": "KVEndpoint",
+        "kind": ENDPOINT_KIND,
         "metadata": {"name": name, "labels": dict(labels or {})},
         "spec": {
             "transferName": transfer,
@@ -165,7 +165,7 @@ def largest_endpoint(schema: Mapping[str, Any], name: str, *, transfer: str = "k
     spec["sideChannel"]["host"] = limits.longest_dns_name()
     for i, region in enumerate(spec["geometry"]["regions"]):
         region["name"] = f"{i}.".ljust(len(region["name"]), "a")
-    return {"apiVersion": API_VERSION, "kind": "KVEndpoint", "metadata": {"name": name},
+    return {"apiVersion": API_VERSION, "kind": ENDPOINT_KIND, "metadata": {"name": name},
             "spec": spec}
 
 
@@ -178,7 +178,7 @@ def largest_transfer(schema: Mapping[str, Any], name: str) -> dict:
     for role in ("prefill", "decode"):
         for i, expr in enumerate(spec[role]["selector"]["matchExpressions"]):
             expr.update(key=limits.longest_label_key(i), operator="NotIn")
-    return {"apiVersion": API_VERSION, "kind": "KVTransfer", "metadata": {"name": name},
+    return {"apiVersion": API_VERSION, "kind": TRANSFER_KIND, "metadata": {"name": name},
             "spec": spec}
 
 

@@ -163,7 +163,9 @@ def test_unreachable_peer_times_out_within_deadline(pair) -> None:
 
 def test_endpoint_spec_matches_registration(pair) -> None:
     _p, _, d, _ = pair
-    spec = d.endpoint_spec(transfer="kvt", pod_name="d-0", pod_uid="u1", node_name="n")
+    from kvbridge_agent.kube import endpoint_spec
+
+    spec = endpoint_spec(d, transfer="kvt", pod_name="d-0", pod_uid="u1", node_name="n")
     g = spec["geometry"]
     assert [r["name"] for r in g["regions"]] == [n for n, _, _ in LAYOUT]
     assert [r["memType"] for r in g["regions"]] == [m for _, _, m in LAYOUT]

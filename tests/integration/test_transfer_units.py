@@ -35,8 +35,9 @@ class Clock:
 
 def test_public_names_are_pinned():
     assert set(nx.__all__) == {
-        "CPU_TEST_MEM_TYPES", "DEFAULT_COALESCE", "DEFAULT_LEASE_S", "LOCAL_AGENT",
-        "PRODUCTION_MEM_TYPES", "AgentConfig", "Completion", "CompletionTracker", "DList",
+        "CPU_TEST_MEM_TYPES", "DEFAULT_COALESCE", "DEFAULT_LEASE_S", "HEARTBEAT_PREFIX",
+        "LOCAL_AGENT", "PRODUCTION_MEM_TYPES", "AgentConfig", "Completion", "CompletionTracker",
+        "DList",
         "DataPlaneError", "EngineFacts", "FailureCause", "Heartbeat", "HeartbeatSender",
         "LocalEngine", "LocalLists", "MemTypeMap", "NixlAgent", "NixlCallError",
         "NixlUnavailableError", "NotificationError", "PollResult", "PullEngine",

@@ -20,6 +20,8 @@ and/or index), the group or the argument at fault, the expected and the actual v
 
 from __future__ import annotations
 
+from ..errors import KVBridgeError
+
 __all__ = [
     "BlockIdRangeError",
     "CacheViewError",
@@ -33,7 +35,7 @@ __all__ = [
 ]
 
 
-class GeometryError(ValueError):
+class GeometryError(KVBridgeError, ValueError):
     """Base class: the KV cache geometry or a request's block ids are inconsistent."""
 
 

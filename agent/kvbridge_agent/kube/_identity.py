@@ -8,20 +8,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ENV_POD_NAME = "POD_NAME"
-ENV_POD_UID = "POD_UID"
-ENV_POD_NAMESPACE = "POD_NAMESPACE"
-ENV_NODE_NAME = "NODE_NAME"
-ENV_POD_IP = "POD_IP"
-#: Where the pod's labels are read from: a downwardAPI volume item of ``metadata.labels``.
-ENV_POD_LABELS_FILE = "KVBRIDGE_POD_LABELS_FILE"
+from .. import env as names
+from ..errors import KVBridgeError
+
+# The variables' names live in kvbridge_agent.env; these aliases keep older imports working.
+ENV_POD_NAME, ENV_POD_UID = names.POD_NAME, names.POD_UID
+ENV_POD_NAMESPACE, ENV_NODE_NAME, ENV_POD_IP = names.POD_NAMESPACE, names.NODE_NAME, names.POD_IP
+ENV_POD_LABELS_FILE, ENV_SERVING_PORT = names.POD_LABELS_FILE, names.SERVING_PORT
 DEFAULT_POD_LABELS_FILE = "/etc/podinfo/labels"
-#: The port the engine's OpenAI server listens on (vLLM's ``--port``), published as
-#: ``spec.servingPort`` so that the P/D router can reach engines that share one address.
-ENV_SERVING_PORT = "KVBRIDGE_SERVING_PORT"
 
 
-class PodLabelsError(ValueError):
+class PodLabelsError(KVBridgeError, ValueError):
     """The labels file is not in the downward API's ``key="value"`` format."""
 
 

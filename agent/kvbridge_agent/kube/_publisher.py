@@ -11,13 +11,15 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ..errors import KVBridgeError
+from ..resources import API_VERSION, ENDPOINT_KIND, ENDPOINTS, GROUP, VERSION
 from ._identity import PodIdentity
 
-GROUP, VERSION, PLURAL = "kvbridge.io", "v1alpha1", "kvendpoints"
+PLURAL = ENDPOINTS
 log = logging.getLogger("kvbridge.agent.kube")
 
 
-class PublishError(RuntimeError):
+class PublishError(KVBridgeError, RuntimeError):
     """The KVEndpoint could not be written (the message carries the apiserver's reason)."""
 
 
@@ -78,7 +80,7 @@ class EndpointPublisher:
 
         ns = self.pod.namespace
         body = {
-            "apiVersion": f"{GROUP}/{VERSION}", "kind": "KVEndpoint",
+            "apiVersion": API_VERSION, "kind": ENDPOINT_KIND,
             "metadata": {"name": self.name, "namespace": ns, "labels": self.labels,
                          "ownerReferences": [self.pod.owner_reference()]},
             "spec": dict(spec),

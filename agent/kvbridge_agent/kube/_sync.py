@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import metrics
+from ._document import endpoint_spec
 from ._publisher import EndpointPublisher, PublishError
 
 log = logging.getLogger("kvbridge.agent.kube")
@@ -65,10 +66,9 @@ class EndpointSync:
                 f"KVEndpoint {pod.namespace}/{self.publisher.name} already has epoch "
                 f">= {self.service.epoch}; start the agent with a newer epoch "
                 f"(AgentSettings.epoch={epoch})")
-        self.spec = self.service.endpoint_spec(
-            transfer=self.transfer, pod_name=pod.name, pod_uid=pod.uid, node_name=pod.node_name)
-        if pod.serving_port:
-            self.spec["servingPort"] = pod.serving_port
+        self.spec = endpoint_spec(
+            self.service, transfer=self.transfer, pod_name=pod.name, pod_uid=pod.uid,
+            node_name=pod.node_name, serving_port=pod.serving_port)
         published = self.publisher.publish(self.spec)
         metrics.set_info(*self._info())
         return published

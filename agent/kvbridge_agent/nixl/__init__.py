@@ -66,6 +66,7 @@ from ._loader import NixlUnavailableError, load_nixl
 from ._local import EngineFacts, LocalEngine, LocalLists
 from ._memtypes import CPU_TEST_MEM_TYPES, PRODUCTION_MEM_TYPES, MemTypeMap
 from ._notifications import (
+    HEARTBEAT_PREFIX,
     Completion,
     Heartbeat,
     NotificationError,
@@ -83,6 +84,7 @@ __all__ = [
     "CPU_TEST_MEM_TYPES",
     "DEFAULT_COALESCE",
     "DEFAULT_LEASE_S",
+    "HEARTBEAT_PREFIX",
     "LOCAL_AGENT",
     "PRODUCTION_MEM_TYPES",
     "AgentConfig",

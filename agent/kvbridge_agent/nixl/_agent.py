@@ -10,7 +10,7 @@ delay to 0, which busy-spins a full core even when idle (notes/nixl-on-cpu.md §
 patch the delay to ``AgentConfig.progress_delay_us`` (100 µs by default) while constructing.
 NIXL is not assumed thread-safe: call one agent from one thread at a time.
 
-Errors: every NIXL exception is re-raised as :class:`~.errors.NixlCallError` (``raise from``)
+Errors: every NIXL exception is re-raised as :class:`~._errors.NixlCallError` (``raise from``)
 carrying a :class:`~.errors.FailureCause`; transfer states are the :class:`XferState` enum.
 """
 
@@ -26,7 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import DataPlaneError, FailureCause, NixlCallError, classify
+from ._errors import (
+    CallDetail,
+    DataPlaneError,
+    FailureCause,
+    NixlCallError,
+    call_error,
+    nixl_call,
+)
 from ._loader import NixlModule, load_nixl
 from ._memtypes import PRODUCTION_MEM_TYPES, MemTypeMap
 
@@ -119,46 +126,6 @@ def _bad_state(status: str, what: str, x: XferHandle) -> XferState:
                         FailureCause.TRANSFER)
 
 
-class _Detail:
-    """What a transfer call was about, formatted only for an error message."""
-
-    __slots__ = ("descs", "label", "op")
-
-    def __init__(self, op: str, label: str, descs: int) -> None:
-        self.op, self.label, self.descs = op, label, descs
-
-    def __str__(self) -> str:
-        return f"{self.op} {self.label}, {self.descs} descs"
-
-
-class _nixl_call:
-    """``with _nixl_call(what, cause):`` turns an exception from NIXL into a typed
-    :class:`NixlCallError` (our own errors pass through). A class rather than a
-    ``contextlib`` generator: it wraps every call on a transfer's path."""
-
-    __slots__ = ("default", "detail", "what")
-
-    def __init__(self, what: str, default: FailureCause, detail: object = None) -> None:
-        # ``detail`` is formatted only on failure: hot calls pass their label unformatted
-        self.what, self.default, self.detail = what, default, detail
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
-        if exc is None or isinstance(exc, DataPlaneError) or not isinstance(exc, Exception):
-            return False
-        raise _call_error(exc, self.what, self.default, self.detail) from exc
-
-
-def _call_error(exc: BaseException, what: str, default: FailureCause, detail: object = None
-                ) -> NixlCallError:
-    """The typed error for ``exc`` raised by the NIXL call ``what`` (the per-transfer calls
-    use it from a plain ``except``: no context object on their path)."""
-    what = what if detail is None else f"{what}({detail})"
-    return NixlCallError(f"{what}: {type(exc).__name__}: {exc}", classify(exc, default=default))
-
-
 class NixlAgent:
     """One NIXL agent with registered memory, prepared lists and known peers.
 
@@ -190,7 +157,7 @@ class NixlAgent:
             capture_telemetry=self.config.capture_telemetry,
         )
         delay = int(self.config.progress_delay_us)
-        with _construct_lock, _nixl_call(f"create NIXL agent {name!r}", FailureCause.SETUP):
+        with _construct_lock, nixl_call(f"create NIXL agent {name!r}", FailureCause.SETUP):
             original = bindings.nixlAgent
 
             def _agent_with_delay(agent_name: str, agent_config: Any) -> Any:
@@ -229,7 +196,7 @@ class NixlAgent:
     def metadata(self) -> bytes:
         """This agent's metadata blob (what a peer passes to :meth:`add_remote`)."""
         self._check_open()
-        with _nixl_call("get_agent_metadata", FailureCause.SETUP):
+        with nixl_call("get_agent_metadata", FailureCause.SETUP):
             return bytes(self._agent.get_agent_metadata())
 
     def register_ranges(self, kind: str, ranges: Iterable[tuple[int, int, int]]) -> None:
@@ -242,7 +209,7 @@ class NixlAgent:
         ]
         if not rows:
             return
-        with _nixl_call(f"register_memory({len(rows)} {kind} ranges as {nixl_type})",
+        with nixl_call(f"register_memory({len(rows)} {kind} ranges as {nixl_type})",
                         FailureCause.SETUP):
             reg = self._agent.register_memory(rows, nixl_type)
         self._registrations.append((kind, reg))
@@ -264,7 +231,7 @@ class NixlAgent:
         if table.shape[0] and nixl_type == "DRAM":
             table = table.copy()
             table[:, 2] = 0
-        with _nixl_call(f"prep_xfer_dlist({peer}, {table.shape[0]} {kind} descs)",
+        with nixl_call(f"prep_xfer_dlist({peer}, {table.shape[0]} {kind} descs)",
                         FailureCause.SETUP):
             handle = self._agent.prep_xfer_dlist(peer, table, nixl_type)
         dl = DList(peer=peer, kind=kind, table=table, handle=handle)
@@ -290,7 +257,7 @@ class NixlAgent:
         dl.released = True
         with contextlib.suppress(ValueError):
             self._dlists.remove(dl)
-        with _nixl_call("release_dlist_handle", FailureCause.TRANSFER):
+        with nixl_call("release_dlist_handle", FailureCause.TRANSFER):
             dl.handle.release()
 
     # -- peers ----------------------------------------------------------------------------
@@ -301,7 +268,7 @@ class NixlAgent:
         ``nixlNotAllowedError``); callers use :meth:`remove_remote` before re-adding.
         """
         self._check_open()
-        with _nixl_call("add_remote_agent", FailureCause.SETUP):
+        with nixl_call("add_remote_agent", FailureCause.SETUP):
             name = self._agent.add_remote_agent(bytes(metadata))
         peer = name.decode() if isinstance(name, bytes | bytearray) else str(name)
         self._remotes.add(peer)
@@ -316,7 +283,7 @@ class NixlAgent:
                 log.warning("releasing a prepared list of removed peer %s failed: %s", peer, exc)
         if peer in self._remotes:
             self._remotes.discard(peer)
-            with _nixl_call(f"remove_remote_agent({peer})", FailureCause.SETUP):
+            with nixl_call(f"remove_remote_agent({peer})", FailureCause.SETUP):
                 self._agent.remove_remote_agent(peer)
 
     def has_remote(self, peer: str) -> bool:
@@ -346,8 +313,8 @@ class NixlAgent:
         try:
             h = self._agent.make_prepped_xfer(op, local.handle, lid, remote.handle, rid, notif)
         except Exception as exc:
-            raise _call_error(exc, "make_prepped_xfer", FailureCause.SETUP,
-                              _Detail(op, label, lid.size)) from exc
+            raise call_error(exc, "make_prepped_xfer", FailureCause.SETUP,
+                              CallDetail(op, label, lid.size)) from exc
         x = XferHandle(h, label or op, remote.peer, int(lid.size), nbytes)
         self._xfers.append(x)
         return x
@@ -368,7 +335,7 @@ class NixlAgent:
         api_agent = self._agent
         ltype = self.mem_types.nixl_type(kinds[0])
         rtype = self.mem_types.nixl_type(kinds[1])
-        with _nixl_call(f"initialize_xfer({op} {label}, {len(local_rows)} descs)",
+        with nixl_call(f"initialize_xfer({op} {label}, {len(local_rows)} descs)",
                         FailureCause.SETUP):
             ld = api_agent.get_xfer_descs(np.ascontiguousarray(local_rows, np.uint64), ltype)
             rd = api_agent.get_xfer_descs(np.ascontiguousarray(remote_rows, np.uint64), rtype)
@@ -383,7 +350,7 @@ class NixlAgent:
             status = self._agent.transfer(x.handle, notif) if notif else self._agent.transfer(
                 x.handle)
         except Exception as exc:
-            raise _call_error(exc, "transfer", FailureCause.TRANSFER, x.label) from exc
+            raise call_error(exc, "transfer", FailureCause.TRANSFER, x.label) from exc
         return _STATES.get(status) or _bad_state(status, "transfer", x)
 
     def state(self, x: XferHandle) -> XferState:
@@ -391,7 +358,7 @@ class NixlAgent:
         try:
             status = self._agent.check_xfer_state(x.handle)
         except Exception as exc:
-            raise _call_error(exc, "check_xfer_state", FailureCause.TRANSFER, x.label) from exc
+            raise call_error(exc, "check_xfer_state", FailureCause.TRANSFER, x.label) from exc
         return _STATES.get(status) or _bad_state(status, "check_xfer_state", x)
 
     def release(self, x: XferHandle) -> None:
@@ -402,7 +369,7 @@ class NixlAgent:
         try:
             x.handle.release()
         except Exception as exc:
-            raise _call_error(exc, "release", FailureCause.TRANSFER, x.label) from exc
+            raise call_error(exc, "release", FailureCause.TRANSFER, x.label) from exc
         x.released = True
         xfers = self._xfers
         if xfers and xfers[-1] is x:      # the usual case: the newest transfer ends first
@@ -411,18 +378,18 @@ class NixlAgent:
             xfers.remove(x)
 
     def telemetry(self, x: XferHandle) -> Any:
-        with _nixl_call("get_xfer_telemetry", FailureCause.TRANSFER):
+        with nixl_call("get_xfer_telemetry", FailureCause.TRANSFER):
             return self._agent.get_xfer_telemetry(x.handle)
 
     # -- notifications --------------------------------------------------------------------
     def send_notif(self, peer: str, message: bytes) -> None:
-        with _nixl_call("send_notif", FailureCause.TRANSFER, peer):
+        with nixl_call("send_notif", FailureCause.TRANSFER, peer):
             self._agent.send_notif(peer, message)
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         """Drain new notifications: ``{peer_name: [message, ...]}``."""
         self._check_open()
-        with _nixl_call("get_new_notifs", FailureCause.TRANSFER):
+        with nixl_call("get_new_notifs", FailureCause.TRANSFER):
             raw = self._agent.get_new_notifs()
         return {str(k): [bytes(m) for m in v] for k, v in raw.items()}
 
@@ -448,7 +415,7 @@ class NixlAgent:
                 log.warning("agent %s: removing %s on close failed: %s", self.name, peer, exc)
         for kind, reg in reversed(self._registrations):
             try:
-                with _nixl_call("deregister_memory", FailureCause.SETUP):
+                with nixl_call("deregister_memory", FailureCause.SETUP):
                     self._agent.deregister_memory(reg)
             except NixlCallError as exc:
                 log.warning("agent %s: deregistering %s failed: %s", self.name, kind, exc)

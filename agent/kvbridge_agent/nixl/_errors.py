@@ -2,7 +2,8 @@
 
 NIXL reports problems by raising pybind exceptions named ``nixl<Something>Error`` that all
 derive straight from ``Exception``; :func:`classify` turns them into a :class:`FailureCause`
-so callers never match on NIXL class names or state strings.
+so callers never match on NIXL class names or state strings; :func:`nixl_call` and
+:func:`call_error` are the one place NIXL exceptions become :class:`NixlCallError`.
 """
 
 from __future__ import annotations
@@ -10,18 +11,23 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from ..errors import KVBridgeError
+
 __all__ = [
+    "CallDetail",
     "DataPlaneError",
     "FailureCause",
     "NixlCallError",
     "RemoteNotFoundError",
     "TransferFailure",
     "UnsupportedTransferError",
+    "call_error",
     "classify",
+    "nixl_call",
 ]
 
 
-class DataPlaneError(RuntimeError):
+class DataPlaneError(KVBridgeError, RuntimeError):
     """Base class of the errors this package raises."""
 
 
@@ -85,3 +91,46 @@ class TransferFailure:
     cause: FailureCause
     message: str
     error: BaseException | None = None
+
+
+# -- the translation boundary: NIXL exceptions in, typed errors out -----------------------
+
+
+class CallDetail:
+    """What a transfer call was about, formatted only for an error message."""
+
+    __slots__ = ("descs", "label", "op")
+
+    def __init__(self, op: str, label: str, descs: int) -> None:
+        self.op, self.label, self.descs = op, label, descs
+
+    def __str__(self) -> str:
+        return f"{self.op} {self.label}, {self.descs} descs"
+
+
+class nixl_call:
+    """``with nixl_call(what, cause):`` turns an exception from NIXL into a typed
+    :class:`NixlCallError` (our own errors pass through). A class rather than a
+    ``contextlib`` generator: it wraps every call on a transfer's path."""
+
+    __slots__ = ("default", "detail", "what")
+
+    def __init__(self, what: str, default: FailureCause, detail: object = None) -> None:
+        # ``detail`` is formatted only on failure: hot calls pass their label unformatted
+        self.what, self.default, self.detail = what, default, detail
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
+        if exc is None or isinstance(exc, DataPlaneError) or not isinstance(exc, Exception):
+            return False
+        raise call_error(exc, self.what, self.default, self.detail) from exc
+
+
+def call_error(exc: BaseException, what: str, default: FailureCause, detail: object = None
+               ) -> NixlCallError:
+    """The typed error for ``exc`` raised by the NIXL call ``what`` (the per-transfer calls
+    use it from a plain ``except``: no context object on their path)."""
+    what = what if detail is None else f"{what}({detail})"
+    return NixlCallError(f"{what}: {type(exc).__name__}: {exc}", classify(exc, default=default))

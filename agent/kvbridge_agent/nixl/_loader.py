@@ -13,6 +13,8 @@ import threading
 from dataclasses import dataclass
 from types import ModuleType
 
+from ..errors import KVBridgeError
+
 __all__ = ["CANDIDATES", "NixlModule", "NixlUnavailableError", "load_nixl"]
 
 #: Import order: the meta package first (it knows the CUDA major), then the explicit builds.
@@ -22,7 +24,7 @@ _lock = threading.Lock()
 _loaded: NixlModule | None = None
 
 
-class NixlUnavailableError(ImportError):
+class NixlUnavailableError(KVBridgeError, ImportError):
     """No NIXL Python package could be imported."""
 
 

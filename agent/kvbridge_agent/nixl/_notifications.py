@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import KVBridgeError
+
 __all__ = [
     "HEARTBEAT_PREFIX",
     "Completion",
@@ -23,7 +25,7 @@ __all__ = [
 HEARTBEAT_PREFIX = "HB:"
 
 
-class NotificationError(ValueError):
+class NotificationError(KVBridgeError, ValueError):
     """A notification that is neither a completion nor a heartbeat."""
 
 

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import geometry as geo
+from ..resources import TRANSFER_TIMEOUT_S
 from ._engine import PollResult, TransferEngine
 from ._errors import (
     UnsupportedTransferError,
@@ -110,7 +111,7 @@ class PullEngine(TransferEngine):
         self,
         local: LocalEngine,
         *,
-        timeout_s: float = 30.0,
+        timeout_s: float = TRANSFER_TIMEOUT_S,
         coalesce: bool = DEFAULT_COALESCE,
         lease_s: float = DEFAULT_LEASE_S,
         clock: Callable[[], float] = time.monotonic,

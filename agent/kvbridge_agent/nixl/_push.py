@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import geometry as geo
 from .. import rules
+from ..resources import TRANSFER_TIMEOUT_S
 from ._engine import TransferEngine
 from ._errors import UnsupportedTransferError
 from ._local import LocalEngine
@@ -59,7 +60,7 @@ class PushEngine(TransferEngine):
         self,
         local: LocalEngine,
         *,
-        timeout_s: float = 30.0,
+        timeout_s: float = TRANSFER_TIMEOUT_S,
         coalesce: bool = DEFAULT_COALESCE,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..resources import geometry_aliases, region_aliases
 from ..rules import NIXL_CONNECTOR_VERSION, PER_REGION_LISTS
 from ._wire import NixlAgentMetadata
 
@@ -192,42 +193,11 @@ def _region_from_mapping(data: Mapping[str, Any]) -> RegionGeometry:
     return RegionGeometry(**values)
 
 
-_ALIASES = {
-    "engineId": "engine_id",
-    "tpSize": "tp_size",
-    "tpRank": "tp_rank",
-    "blockSize": "block_size",
-    "numBlocks": "num_blocks",
-    "blockLens": "block_lens",
-    "blockStrides": "block_strides",
-    "layout": "kv_cache_layout",
-    "kvCacheLayout": "kv_cache_layout",
-    "attentionBackend": "attn_backend_name",
-    "attnBackendName": "attn_backend_name",
-    "physicalBlocksPerLogical": "physical_blocks_per_logical_kv_block",
-    "physicalBlocksPerLogicalKvBlock": "physical_blocks_per_logical_kv_block",
-    "regionNumBlocks": "region_num_blocks",
-    "regionGroupIds": "region_group_ids",
-    "regionNames": "region_names",
-    "regionMemTypes": "region_mem_types",
-    "dcpSize": "dcp_size",
-    "pcpSize": "pcp_size",
-    "isMla": "is_mla",
-    "mla": "is_mla",
-    "numKvHeads": "num_kv_heads",
-    "protocolVersion": "protocol_version",
-    "compatibilityHash": "compatibility_hash",
-    "transferMode": "transfer_mode",
-    "mode": "transfer_mode",
-    "ssmSizes": "ssm_sizes",
-}
-_REGION_ALIASES = {
-    "numBlocks": "num_blocks",
-    "groupId": "group_id",
-    "memType": "mem_type",
-    "blockLen": "block_len",
-    "blockStride": "block_stride",
-}
+#: camelCase keys -> field names: the KVEndpoint's (from its field table), plus the short and
+#: wire spellings geometry files used before.
+_ALIASES = geometry_aliases({"layout": "kv_cache_layout", "mla": "is_mla",
+                             "ssmSizes": "ssm_sizes"})
+_REGION_ALIASES = region_aliases()
 # Metadata fields that say nothing about compatibility.
 _IGNORED = frozenset({"agent_metadata", "device_id", "agentMetadata", "deviceId"})
 

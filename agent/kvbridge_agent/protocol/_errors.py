@@ -7,13 +7,15 @@ gives vLLM's wording, so logs from a kvbridge engine and from a vLLM engine read
 
 from __future__ import annotations
 
+from ..errors import KVBridgeError
+
 _DISABLE_HINT = (
     "Disable this check using --kv-transfer-config "
     '\'{"kv_connector_extra_config": {"enforce_handshake_compat": false}}\''
 )
 
 
-class ProtocolError(ValueError):
+class ProtocolError(KVBridgeError, ValueError):
     """Base class of every error raised by :mod:`kvbridge_agent.protocol`."""
 
 

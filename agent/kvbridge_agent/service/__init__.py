@@ -8,8 +8,8 @@ peers the operator assigns, and run transfers against them (DESIGN flows 1, 4, 5
   :class:`~.nixl.LocalEngine` over the caller's ``CacheView`` objects, the v11
   ``NixlAgentMetadata`` built from what was actually registered, and a
   :class:`~.sidechannel.SideChannelServer` serving it;
-- **publish** (flow 2) is the caller's (see :mod:`.kube`): :meth:`endpoint_spec` is the
-  KVEndpoint spec for exactly this registration;
+- **publish** (flow 2) is the caller's: :func:`~.kube.endpoint_spec` is the KVEndpoint
+  spec for exactly this registration;
 - **preflight** (flow 4): :meth:`set_peers` takes the operator's assigned peers (from the
   KVEndpoint status), drops peers that went away or changed epoch (removing their NIXL
   remote agent), handshakes with every new one (side channel, hash, engine id, then
@@ -39,10 +39,16 @@ peers the operator assigns, and run transfers against them (DESIGN flows 1, 4, 5
   ``NixlPushConnector`` refuses (spec §5): mixed-memory caches, at :meth:`start` on either
   side and at preflight for a peer; different cache-group layouts, at preflight.
 
-Threads: NIXL is not assumed thread-safe, so every NIXL call happens under one lock. A
-progress thread polls the pull or push engine (heartbeats, asynchronous completions) or the
-notifications of the side that waits for them every ``progress_interval_s``. Side-channel
-fetches run without the lock. Every wait has a deadline.
+The facade delegates to one collaborator per concern: :class:`~._peers.PeerSet` (the
+assigned peers and their handshakes), :class:`~._transfers.Transfers` (the mover's requests
+and outcomes), :class:`~._receiver.Receiver` (holds, leases, expected receipts) and
+:class:`~._requests.RequestBuilder` (every pull, start-pull and push request).
+
+Threads: NIXL is not assumed thread-safe, so every NIXL call happens under one lock, which
+the collaborators share; ``_core`` states the lock order. A progress thread polls the pull or
+push engine (heartbeats, asynchronous completions) or the notifications of the side that
+waits for them every ``progress_interval_s``. Side-channel fetches run without the lock.
+Every wait has a deadline.
 """
 
 from ._agent import AgentService

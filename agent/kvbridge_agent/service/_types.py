@@ -10,6 +10,8 @@ from enum import StrEnum
 from typing import Any, NamedTuple
 
 from .. import rules
+from ..errors import KVBridgeError
+from ..resources import DECODE, HANDSHAKE_TIMEOUT_S, PREFILL, TRANSFER_TIMEOUT_S
 
 __all__ = [
     "DECODE",
@@ -28,15 +30,12 @@ __all__ = [
     "WrongSideError",
 ]
 
-PREFILL, DECODE = "prefill", "decode"
-
-
 def utc_timestamp() -> str:
     """Now, as the RFC 3339 UTC string Kubernetes status fields use."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-class AgentError(Exception):
+class AgentError(KVBridgeError):
     """Base of the agent service's own errors (each also derives from the built-in error
     callers caught before these existed)."""
 
@@ -159,8 +158,8 @@ class AgentSettings:
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0
     advertise_host: str | None = None
-    handshake_timeout_s: float = 5.0
-    transfer_timeout_s: float = 30.0
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
+    transfer_timeout_s: float = TRANSFER_TIMEOUT_S
     progress_interval_s: float = 0.01
     mem_types: Any = None
     epoch: int | None = None

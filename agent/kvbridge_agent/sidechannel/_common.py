@@ -7,11 +7,14 @@ from collections.abc import Mapping
 
 import msgspec
 
-HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
-PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+from .. import env as names
+from ..errors import KVBridgeError
+from ..resources import HANDSHAKE_TIMEOUT_S
+
+HOST_ENV, PORT_ENV = names.SIDE_CHANNEL_HOST, names.SIDE_CHANNEL_PORT
 DEFAULT_HOST = "localhost"
 DEFAULT_PORT = 5600
-DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_TIMEOUT_S = HANDSHAKE_TIMEOUT_S
 """vLLM's handshake receive timeout (spec §1.1)."""
 
 MAX_REQUEST_BYTES = 64 * 1024
@@ -20,7 +23,7 @@ MAX_REPLY_BYTES = 256 * 1024 * 1024
 """ZMQ_MAXMSGSIZE of the client: metadata of a few hundred regions is well below this."""
 
 
-class SideChannelError(RuntimeError):
+class SideChannelError(KVBridgeError, RuntimeError):
     """Base of side-channel failures (transport, timeouts, rejected requests)."""
 
 

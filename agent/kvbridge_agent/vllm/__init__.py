@@ -22,10 +22,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._registration import VllmRegistration, build_views, engine_info, start_agent
+from ._registration import (
+    StartedAgent,
+    VllmRegistration,
+    build_views,
+    engine_info,
+    start_agent,
+)
 
-__all__ = ["KVBridgeConnector", "VllmRegistration", "build_views", "engine_info",
-           "start_agent"]
+__all__ = ["KVBridgeConnector", "StartedAgent", "VllmRegistration", "build_views",
+           "engine_info", "start_agent"]
 
 
 def __getattr__(name: str) -> Any:

@@ -32,13 +32,19 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.utils import select_common_block_size
 
-__all__ = ["EngineFacts", "UnsupportedVllmSettingError", "read_engine_facts",
-           "refuse_unsupported"]
+from ..errors import KVBridgeError
+
+__all__ = [
+    "UnsupportedVllmSettingError",
+    "VllmEngineFacts",
+    "read_engine_facts",
+    "refuse_unsupported",
+]
 
 ROLE_BY_KV_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "decode"}
 
 
-class UnsupportedVllmSettingError(ValueError):
+class UnsupportedVllmSettingError(KVBridgeError, ValueError):
     """A vLLM setting the kvbridge connector does not support; the message names it."""
 
 
@@ -52,7 +58,7 @@ class LayerSpec:
 
 
 @dataclass(frozen=True)
-class EngineFacts:
+class VllmEngineFacts:
     """The engine facts of one worker (one TP rank)."""
 
     engine_id: str
@@ -130,7 +136,8 @@ def refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> None:
                    "dense virtual transfer pages are not implemented")
 
 
-def read_engine_facts(vllm_config: Any, engine_id: str, kv_cache_config: Any) -> EngineFacts:
+def read_engine_facts(vllm_config: Any, engine_id: str, kv_cache_config: Any
+                      ) -> VllmEngineFacts:
     """Derive the engine facts as vLLM's NIXL worker does (see module docstring)."""
     refuse_unsupported(vllm_config, kv_cache_config)
     ktc = vllm_config.kv_transfer_config
@@ -156,7 +163,7 @@ def read_engine_facts(vllm_config: Any, engine_id: str, kv_cache_config: Any) ->
             host_resident=host)
     backend_name = backends[0].get_name()
     extra = dict(ktc.kv_connector_extra_config or {})
-    return EngineFacts(
+    return VllmEngineFacts(
         engine_id=str(engine_id), kv_role=str(ktc.kv_role),
         tp_rank=int(get_tensor_model_parallel_rank()),
         tp_size=int(get_tensor_model_parallel_world_size()),

@@ -16,12 +16,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import KVBridgeError
 from ..geometry import CacheView, tensor_mem_type
 
 __all__ = ["LayerCache", "UnsupportedLayoutError", "layer_views"]
 
 
-class UnsupportedLayoutError(ValueError):
+class UnsupportedLayoutError(KVBridgeError, ValueError):
     """A KV cache view whose layout kvbridge does not register (the message names it)."""
 
 

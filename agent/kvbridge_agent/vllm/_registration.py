@@ -25,14 +25,17 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .. import metrics
+from .. import env as names
 from ..geometry import CacheView
 from ..protocol import CompatibilityFactors
 from ..service import AgentService, AgentSettings, EngineInfo
 
-__all__ = ["VllmRegistration", "build_views", "start_agent"]
+if TYPE_CHECKING:
+    from ..kube import EndpointSync, PodDuties
+
+__all__ = ["StartedAgent", "VllmRegistration", "build_views", "start_agent"]
 
 
 @dataclass
@@ -119,47 +122,70 @@ def engine_info(reg: VllmRegistration, views: list[CacheView]) -> EngineInfo:
         num_kv_heads=reg.num_kv_heads, mode=reg.mode)
 
 
-#: Port of the agent's Prometheus ``/metrics`` (unset: not served).
-METRICS_PORT_ENV = "KVBRIDGE_AGENT_METRICS_PORT"
+@dataclass
+class StartedAgent:
+    """What :func:`start_agent` started: the agent and the pod's duties beside it
+    (:class:`~kvbridge_agent.kube.PodDuties`). It answers for the agent (``pull``,
+    ``set_peers``, ``port``, ...: the service's own attributes), so callers use it as one;
+    :meth:`close` ends both."""
+
+    service: AgentService
+    duties: PodDuties
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.duties.metrics_port
+
+    @property
+    def sync(self) -> EndpointSync | None:
+        return self.duties.sync
+
+    def __getattr__(self, name: str) -> Any:   # only names this class lacks
+        return getattr(self.service, name)
+
+    def close(self) -> None:
+        self.duties.stop()
+        self.service.close()
+
+    def __enter__(self) -> StartedAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def start_agent(reg: VllmRegistration, *, transfer: str | None = None,
                 settings: AgentSettings | None = None, publish: bool | None = None,
-                sync_interval_s: float = 1.0, metrics_port: int | None = None) -> AgentService:
+                sync_interval_s: float = 1.0, metrics_port: int | None = None) -> StartedAgent:
     """Register the caches, start the side channel and (in a pod) publish the KVEndpoint.
 
     The side channel binds ``$VLLM_NIXL_SIDE_CHANNEL_HOST`` (default ``0.0.0.0``) on
     ``$VLLM_NIXL_SIDE_CHANNEL_PORT`` (+ dp index) and advertises ``$POD_IP``. ``publish``
     defaults to "the downward API variables are set"; ``transfer`` defaults to
     ``$KVBRIDGE_TRANSFER``. Prometheus metrics are served on ``metrics_port`` (default
-    ``$KVBRIDGE_AGENT_METRICS_PORT``; 0 picks a free port; unset serves none). The returned
-    service carries ``.sync`` (or ``None``) and ``.metrics_port`` (or ``None``).
+    ``$KVBRIDGE_AGENT_METRICS_PORT``; 0 picks a free port; unset serves none).
     """
+    from ..kube import EndpointPublisher, PodDuties, PodIdentity, api_client
+
     env = os.environ
-    if metrics_port is None and env.get(METRICS_PORT_ENV):
-        metrics_port = int(env[METRICS_PORT_ENV])
+    if metrics_port is None:
+        metrics_port = names.metrics_port(env)
     if settings is None:
         settings = AgentSettings(
-            side_channel_host=env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "0.0.0.0"),
-            side_channel_port=int(env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")),
-            advertise_host=env.get("POD_IP") or None)
+            side_channel_host=env.get(names.SIDE_CHANNEL_HOST, "0.0.0.0"),
+            side_channel_port=int(env.get(names.SIDE_CHANNEL_PORT, "5600")),
+            advertise_host=env.get(names.POD_IP) or None)
     views = build_views(reg)
     service = AgentService(views, engine_info(reg, views), reg.compat, settings).start()
-    service.sync = None  # type: ignore[attr-defined]
-    service.metrics_port = (  # type: ignore[attr-defined]
-        None if metrics_port is None else metrics.serve(metrics_port))
     if publish is None:
-        publish = bool(env.get("POD_NAME") and env.get("POD_UID"))
-    if publish:
-        from ..kube import EndpointPublisher, EndpointSync, PodIdentity, api_client
-
-        pod = PodIdentity.from_env()
-        sync = EndpointSync(service, EndpointPublisher(api_client(), pod),
-                            transfer or env["KVBRIDGE_TRANSFER"], interval_s=sync_interval_s)
-        try:
-            sync.start()
-        except BaseException:
-            service.close()
-            raise
-        service.sync = sync  # type: ignore[attr-defined]
-    return service
+        publish = names.in_pod(env)
+    try:
+        pod = PodIdentity.from_env() if publish else None
+        publisher = EndpointPublisher(api_client(), pod) if pod is not None else None
+        duties = PodDuties.start(service, metrics_port=metrics_port, publisher=publisher,
+                                 transfer=(transfer or env[names.TRANSFER]) if publish else "",
+                                 sync_interval_s=sync_interval_s)
+    except BaseException:
+        service.close()
+        raise
+    return StartedAgent(service, duties)

@@ -27,7 +27,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm import envs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -37,11 +37,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     ReqMeta,
 )
 
-from .. import metrics
+from .. import env as names
 from ..geometry import handshake_target_ranks
+from ..resources import HANDSHAKE_TIMEOUT_S, ROLES, TRANSFER_TIMEOUT_S
 from ..service import AgentService, AgentSettings, EngineInfo, PeerRef
-from ._facts import EngineFacts, UnsupportedVllmSettingError, read_engine_facts
+from ._facts import UnsupportedVllmSettingError, VllmEngineFacts, read_engine_facts
 from ._layers import LayerCache, layer_views
+
+if TYPE_CHECKING:
+    from ..kube import PodDuties
 
 __all__ = ["KVBridgeWorker"]
 
@@ -84,24 +88,26 @@ class KVBridgeWorker:
     copy_blocks = None
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
-        self.facts: EngineFacts = read_engine_facts(vllm_config, engine_id, kv_cache_config)
+        self.facts: VllmEngineFacts = read_engine_facts(vllm_config, engine_id, kv_cache_config)
         extra = self.facts.extra
-        self.role = os.environ.get("KVBRIDGE_ROLE") or self.facts.role
-        if self.role not in ("prefill", "decode"):
+        self.role = os.environ.get(names.ROLE) or self.facts.role
+        if self.role not in ROLES:
             raise UnsupportedVllmSettingError(
                 f"KVBRIDGE_ROLE={self.role!r}: expected 'prefill' or 'decode'")
         if self.facts.kv_role == "kv_producer" and self.role == "decode":
             raise UnsupportedVllmSettingError(
                 "KVBRIDGE_ROLE='decode' with kv_role='kv_producer': a producer never pulls; "
                 "use kv_role 'kv_consumer' or 'kv_both'")
-        self.transfer_timeout_s = float(extra.get("kvbridge_transfer_timeout_s", 30.0))
-        self.handshake_timeout_s = float(extra.get("kvbridge_handshake_timeout_s", 5.0))
+        self.transfer_timeout_s = float(
+            extra.get("kvbridge_transfer_timeout_s", TRANSFER_TIMEOUT_S))
+        self.handshake_timeout_s = float(
+            extra.get("kvbridge_handshake_timeout_s", HANDSHAKE_TIMEOUT_S))
         self.lease_s = float(extra.get("kv_lease_duration", 30))
         self.enforce_hash = bool(extra.get("enforce_handshake_compat", True))
         # vLLM's NIXL worker reads the same key with the same default (UCX worker threads)
         self.nixl_threads = int(extra.get("num_threads", 4))
         self.service: AgentService | None = None
-        self.sync: Any = None
+        self.duties: PodDuties | None = None
         self.kv_caches: dict[str, Any] = {}
         self.xfer_handshake_metadata: NixlHandshakePayload | None = None
         self._recving: dict[str, ReqMeta] = {}        # reported when their pull ends
@@ -133,7 +139,7 @@ class KVBridgeWorker:
         host = envs.VLLM_NIXL_SIDE_CHANNEL_HOST
         settings = AgentSettings(
             side_channel_host=host, side_channel_port=int(envs.VLLM_NIXL_SIDE_CHANNEL_PORT),
-            advertise_host=env.get("POD_IP") or host,
+            advertise_host=env.get(names.POD_IP) or host,
             handshake_timeout_s=self.handshake_timeout_s,
             transfer_timeout_s=self.transfer_timeout_s, enforce_hash=self.enforce_hash,
             serve_side_channel=False, progress_thread=False, nixl_threads=self.nixl_threads,
@@ -178,28 +184,28 @@ class KVBridgeWorker:
     def _start_kubernetes_duties(self) -> None:
         """Publish and follow the KVEndpoint when the pod's identity is in the environment;
         serve agent metrics when ``KVBRIDGE_AGENT_METRICS_PORT`` is set."""
-        env = os.environ
-        if env.get("KVBRIDGE_AGENT_METRICS_PORT"):
-            port = metrics.serve(int(env["KVBRIDGE_AGENT_METRICS_PORT"]))
-            log.info("kvbridge agent metrics on port %d", port)
-        if not (env.get("POD_NAME") and env.get("POD_UID")):
-            return
-        transfer = env.get("KVBRIDGE_TRANSFER")
-        if not transfer:
-            raise UnsupportedVllmSettingError(
-                "KVBRIDGE_TRANSFER is not set: in a pod (POD_NAME and POD_UID set) the "
-                "connector publishes a KVEndpoint and needs the name of its KVTransfer")
-        from ..kube import EndpointPublisher, EndpointSync, PodIdentity, api_client
+        from ..kube import EndpointPublisher, PodDuties, PodIdentity, api_client
 
+        env = os.environ
         assert self.service is not None
-        pod = PodIdentity.from_env()
-        if not pod.labels:
-            log.warning("kvbridge: no pod labels (mount a downwardAPI item of metadata.labels at "
-                        "$KVBRIDGE_POD_LABELS_FILE, default /etc/podinfo/labels): the "
-                        "KVEndpoint carries none, so a KVTransfer selector will not match it")
-        self.sync = EndpointSync(
-            self.service, EndpointPublisher(api_client(), pod), transfer,
-            interval_s=float(env.get("KVBRIDGE_SYNC_INTERVAL_S", "1.0"))).start()
+        publisher, transfer = None, ""
+        if names.in_pod(env):
+            transfer = env.get(names.TRANSFER, "")
+            if not transfer:
+                raise UnsupportedVllmSettingError(
+                    f"{names.TRANSFER} is not set: in a pod ({names.POD_NAME} and "
+                    f"{names.POD_UID} set) the connector publishes a KVEndpoint and needs the "
+                    "name of its KVTransfer")
+            pod = PodIdentity.from_env()
+            if not pod.labels:
+                log.warning("kvbridge: no pod labels (mount a downwardAPI item of "
+                            f"metadata.labels at ${names.POD_LABELS_FILE}, default "
+                            "/etc/podinfo/labels): the KVEndpoint carries none, so a "
+                            "KVTransfer selector will not match it")
+            publisher = EndpointPublisher(api_client(), pod)
+        self.duties = PodDuties.start(
+            self.service, metrics_port=names.metrics_port(env), publisher=publisher,
+            transfer=transfer, sync_interval_s=float(env.get(names.SYNC_INTERVAL_S, "1.0")))
 
     # -- the decode side: pulls ---------------------------------------------------------------
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
@@ -348,9 +354,9 @@ class KVBridgeWorker:
 
     def shutdown(self) -> None:
         self._stop.set()
-        if self.sync is not None:
-            self.sync.stop()
-            self.sync = None
+        if self.duties is not None:
+            self.duties.stop()
+            self.duties = None
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.service is not None:
             self.service.close()
