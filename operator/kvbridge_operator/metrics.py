@@ -14,6 +14,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from . import config
 from .planner import EndpointState, PairState, Plan
 
 RECONCILES = Counter(
@@ -61,7 +62,7 @@ TRACKED = Gauge(
 )
 for _result in ("ok", "invalid", "error"):
     RECONCILES.labels(_result)
-for _resource in ("kvendpoints", "kvtransfers"):
+for _resource in (config.ENDPOINTS, config.TRANSFERS):
     for _reason in REFUSAL_REASONS:
         ADMISSION_REFUSALS.labels(_resource, _reason)
 

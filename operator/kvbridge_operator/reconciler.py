@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge_agent.resources import ENDPOINT_KIND, TRANSFER_KIND
+
 from . import metrics, planner, status
 from .config import Settings
 from .errors import SpecError
@@ -229,7 +231,7 @@ async def reconcile(
             return
         async with semaphore:
             if await kube.patch_endpoint_status(namespace, e.name, desired):
-                metrics.STATUS_WRITES.labels("KVEndpoint").inc()
+                metrics.STATUS_WRITES.labels(ENDPOINT_KIND).inc()
                 memory.endpoints[(e.name, e.uid)] = desired
 
     await asyncio.gather(*(write_endpoint(v) for v in plan.endpoints))
@@ -251,7 +253,7 @@ async def _write_transfer(
     if new in (stored, memory.transfer):
         return
     if await ctx.kube.patch_transfer_status(ctx.namespace, ctx.name, _with_removals(stored, new)):
-        metrics.STATUS_WRITES.labels("KVTransfer").inc()
+        metrics.STATUS_WRITES.labels(TRANSFER_KIND).inc()
         memory.transfer = new
         for c in status.transitions(old.get("conditions"), new.get("conditions") or []):
             good = (c["status"] == "True") != (c["type"] == "Degraded")
@@ -311,7 +313,7 @@ async def release(namespace: str, name: str, endpoints: Iterable[Endpoint], kube
                 failed.append((e, exc))
                 continue
             if written:
-                metrics.STATUS_WRITES.labels("KVEndpoint").inc()
+                metrics.STATUS_WRITES.labels(ENDPOINT_KIND).inc()
                 writes += 1
         if not failed:
             break
@@ -354,5 +356,5 @@ async def orphan(endpoint: Endpoint, kube: Kube, *, deleted: bool = False) -> bo
         resource_version=endpoint.resource_version or None,
     )
     if written:
-        metrics.STATUS_WRITES.labels("KVEndpoint").inc()
+        metrics.STATUS_WRITES.labels(ENDPOINT_KIND).inc()
     return written
