@@ -14,11 +14,12 @@ import logging
 import threading
 from typing import Any
 
+from kvbridge_agent.resources import ENDPOINTS, GROUP, TRANSFERS, VERSION
+
 from .table import RoutingTable, routing_table
 
 log = logging.getLogger("kvbridge.router.watch")
 
-GROUP, VERSION = "kvbridge.io", "v1alpha1"
 WATCH_TIMEOUT_S = 60
 RETRY_S = 1.0
 
@@ -38,8 +39,8 @@ class TransferWatch:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> TransferWatch:
-        for plural, store in (("kvtransfers", self._transfers),
-                              ("kvendpoints", self._endpoints)):  # fmt: skip
+        for plural, store in ((TRANSFERS, self._transfers),
+                              (ENDPOINTS, self._endpoints)):  # fmt: skip
             t = threading.Thread(target=self._follow, args=(plural, store), daemon=True,
                                  name=f"kvbridge-router-{plural}")
             t.start()
