@@ -22,8 +22,7 @@ from typing import Any
 
 from kvbridge_cluster import free_port
 from vllm_harness import REPO, START_TIMEOUT_S, EngineError, vllm_python
-
-MODEL_NAME = "tiny-llama"
+from vllm_pods import MODEL
 
 #: The CPU settings of notes/vllm-on-cpu.md: the platform stated, one OMP thread per
 #: engine (several share 2 cores), a small KV space, UCX on loopback.
@@ -60,7 +59,7 @@ class OpenAIServer:
         self.log_path = Path(log_dir) / f"{name}.log"
         self.argv = [
             vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
+            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", dtype, "--enforce-eager", "--block-size", "32",
             "--num-gpu-blocks-override", str(num_blocks), "--max-model-len", "1024",
             "--kv-transfer-config", connector or connector_config(),
@@ -96,9 +95,6 @@ class OpenAIServer:
                 pass
             time.sleep(1.0)
         raise self._error(f"not serving within {timeout:.0f} s")
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
         """SIGKILL to the server and every process it started (vLLM's engine core and its
