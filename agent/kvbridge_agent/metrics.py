@@ -8,6 +8,9 @@ the operator's metrics never collide). Serve with :func:`serve`.
 - ``kvbridge_agent_transfer_seconds``: request latency, start to every part done (these
   three are counted by :data:`TALLY`, off the engine's step);
 - ``kvbridge_agent_transfer_failures_total{cause}``: failures by :class:`FailureCause` value;
+- ``kvbridge_agent_late_reads_declined_total``: reads a decode declined because the prefill's
+  stated lease deadline had passed, or was within the margin (the request then recomputes
+  or fails, by ``kv_load_failure_policy``);
 - ``kvbridge_agent_peers``: peers currently loaded (handshake succeeded);
 - ``kvbridge_agent_info{namespace,transfer,role,engine_id}``: 1 while the agent publishes its
   KVEndpoint (:class:`~kvbridge_agent.kube.EndpointSync`). The other series carry no
@@ -99,6 +102,10 @@ TRANSFER_SECONDS = Histogram(
     registry=REGISTRY)
 TRANSFER_FAILURES = Counter(
     "kvbridge_agent_transfer_failures", "Failed transfer requests, by cause", ["cause"],
+    registry=REGISTRY)
+LATE_READS = Counter(
+    "kvbridge_agent_late_reads_declined",
+    "Reads declined because the prefill's lease deadline had passed or was within the margin",
     registry=REGISTRY)
 PEERS = Gauge("kvbridge_agent_peers", "Peers loaded after a successful handshake",
               registry=REGISTRY)

@@ -31,7 +31,8 @@ pytestmark = needs_helm
 
 ALERTS = {
     "KVBridgeTransferDegraded", "KVBridgeTransferNotReady", "KVBridgeIncompatibleEndpoints",
-    "KVBridgeHandshakeFailures", "KVBridgeTransferFailures", "KVBridgeOperatorAbsent",
+    "KVBridgeHandshakeFailures", "KVBridgeTransferFailures", "KVBridgeLateReads",
+    "KVBridgeOperatorAbsent",
     "KVBridgeOperatorNotReconciling", "KVBridgeRouterNoVerifiedPair", "KVBridgeRouterFailures",
 }
 #: Values for every dashboard variable, for checks that need plain PromQL.

@@ -105,6 +105,20 @@ def test_preflight_then_grouped_mixed_pull_is_byte_exact(pair) -> None:
     assert got == ["req-1"]
 
 
+def test_handshake_measures_the_peers_clock(pair) -> None:
+    """The offset converts a prefill's lease deadline to the decode's clock. Both agents
+    run in this process here, so the true offset is 0: the estimate is within its error."""
+    p, _, d, _ = pair
+    assert d.clock_offset("P") is None
+    assert d.set_peers([ref(p, "p-0")])[0].ok
+    clock = d.clock_offset("P")
+    assert clock is not None and 0 < clock.error_s < 1.0
+    assert abs(clock.offset_s) <= clock.error_s
+    assert clock.to_local(100.0) == 100.0 - clock.offset_s
+    d.drop_remote("P", "test")
+    assert d.clock_offset("P") is None
+
+
 def test_handshake_is_not_repeated_and_stale_epoch_is_dropped(pair) -> None:
     p, _, d, _ = pair
     r0 = d.set_peers([ref(p, "p-0")])[0]

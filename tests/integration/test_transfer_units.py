@@ -44,7 +44,8 @@ def test_public_names_are_pinned():
         "PullRequest", "PushEngine", "PushRequest", "ReadIds", "ReleaseReason",
         "RemoteEngine", "RemoteNotFoundError", "RequestState", "TransferDone", "TransferEngine",
         "TransferFailure", "UnsupportedTransferError", "XferHandle", "XferState",
-        "completion_message", "heartbeat_message", "load_nixl", "parse_notification",
+        "completion_message", "heartbeat_extension_s", "heartbeat_message", "load_nixl",
+        "parse_notification",
         "plan_read_ids",
     }
 

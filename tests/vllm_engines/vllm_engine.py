@@ -262,8 +262,11 @@ class Engine:
         service = getattr(worker, "service", None)
         if service is None:
             raise RuntimeError(f"{type(worker).__name__} is not kvbridge's worker")
+        from kvbridge_agent import metrics
+
         return {"ok": True, "remotes": sorted({p.engine_id for p in service.peers().values()}),
-                "epoch": service.epoch}
+                "epoch": service.epoch,
+                "late_reads_declined": metrics.value("kvbridge_agent_late_reads_declined_total")}
 
     def preflight(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """kvbridge only: handshake with a prefill engine now (what the operator's peer

@@ -74,7 +74,7 @@ from ._notifications import (
     heartbeat_message,
     parse_notification,
 )
-from ._producer import DEFAULT_LEASE_S, CompletionTracker, ReleaseReason
+from ._producer import DEFAULT_LEASE_S, CompletionTracker, ReleaseReason, heartbeat_extension_s
 from ._pull import DEFAULT_COALESCE, PullEngine, PullRequest
 from ._push import PushEngine, PushRequest
 from ._readplan import ReadIds, plan_read_ids
@@ -120,6 +120,7 @@ __all__ = [
     "XferHandle",
     "XferState",
     "completion_message",
+    "heartbeat_extension_s",
     "heartbeat_message",
     "load_nixl",
     "parse_notification",

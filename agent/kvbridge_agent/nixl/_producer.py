@@ -18,11 +18,17 @@ from dataclasses import dataclass, field
 
 from ._notifications import Completion, Heartbeat, NotificationError, parse_notification
 
-__all__ = ["DEFAULT_LEASE_S", "CompletionTracker", "ReleaseReason"]
+__all__ = ["DEFAULT_LEASE_S", "CompletionTracker", "ReleaseReason", "heartbeat_extension_s"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 30.0
+
+
+def heartbeat_extension_s(lease_s: float) -> float:
+    """How far a heartbeat moves a lease: ``now + lease * 2/3`` (vLLM's rule). A decode
+    that knows a producer's lease uses this to keep its deadline true."""
+    return float(lease_s) * 2.0 / 3.0
 
 
 class ReleaseReason:
@@ -123,7 +129,7 @@ class CompletionTracker:
                     "ignored", what, request_id)
 
     def _heartbeat(self, request_ids: Iterable[str]) -> None:
-        extended = self._clock() + self.lease_s * 2.0 / 3.0
+        extended = self._clock() + heartbeat_extension_s(self.lease_s)
         for rid in request_ids:
             lease = self._leases.get(rid)
             if lease is None:

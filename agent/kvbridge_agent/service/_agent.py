@@ -21,7 +21,7 @@ from ..protocol import (
     make_payload,
 )
 from ._core import Core
-from ._peers import PeerSet
+from ._peers import ClockOffset, PeerSet
 from ._receiver import Receiver
 from ._requests import RequestBuilder
 from ._transfers import Transfers
@@ -119,7 +119,8 @@ class AgentService:
             elif self.side is Side.PUSHER:
                 c.mover = PushEngine(c.local, timeout_s=s.transfer_timeout_s)
             if not self.side.moves or s.producer_too:
-                c.tracker = CompletionTracker(on_release=self._receiver.on_release)
+                c.tracker = CompletionTracker(lease_s=s.lease_s,
+                                              on_release=self._receiver.on_release)
             if s.serve_side_channel:
                 self.server = SideChannelServer(
                     {(0, e.tp_rank): self.payload}, host=s.side_channel_host,
@@ -265,6 +266,12 @@ class AgentService:
     def has_remote(self, engine_id: str) -> bool:
         """Whether some rank of ``engine_id`` is loaded (handshaken)."""
         return self._peers.has_remote(engine_id)
+
+    def clock_offset(self, engine_id: str) -> ClockOffset | None:
+        """``engine_id``'s clock against ours, measured by its handshake (the loaded rank
+        with the smallest error); None when no rank is loaded. Converts the lease deadline
+        a prefill states on its clock (``remote_blocks_expiry_time``) to ours."""
+        return self._peers.clock_offset(engine_id)
 
     def drop_remote(self, engine_id: str, why: str) -> None:
         """Unload every rank of ``engine_id`` (after a failed transfer, for instance): the

@@ -40,15 +40,30 @@ if TYPE_CHECKING:
     from ..protocol import Verdict
     from ..sidechannel import SideChannelClient
 
-__all__ = ["PeerSet"]
+__all__ = ["ClockOffset", "PeerSet"]
 
 log = logging.getLogger("kvbridge.agent")
+
+
+@dataclass(frozen=True)
+class ClockOffset:
+    """A peer's clock against ours, from the lowest-RTT handshake sample (spec §1.1):
+    ``remote_perf_counter - local_perf_counter``, known to within ``error_s`` (half that
+    sample's round trip). A producer's lease deadlines are on its clock."""
+
+    offset_s: float
+    error_s: float
+
+    def to_local(self, remote_time: float) -> float:
+        """``remote_time`` (the peer's ``perf_counter``) on this process's clock."""
+        return remote_time - self.offset_s
 
 
 @dataclass
 class _Peer:
     ref: PeerRef
     agent_name: str
+    clock: ClockOffset | None = None
     loaded_at: float = field(default_factory=time.monotonic)
 
 
@@ -121,6 +136,13 @@ class PeerSet:
         with self._core.lock:
             return any(k[0] == engine_id for k in self._peers)
 
+    def clock_offset(self, engine_id: str) -> ClockOffset | None:
+        """See :meth:`AgentService.clock_offset`."""
+        with self._core.lock:
+            known = [p.clock for k, p in self._peers.items()
+                     if k[0] == engine_id and p.clock is not None]
+        return min(known, key=lambda c: c.error_s) if known else None
+
     def epochs_if_stale(self, engine_id: str, expected_epoch: int) -> list[int | None]:
         """The epochs ``engine_id``'s ranks are loaded at, when one is not ``expected_epoch``
         (empty when all match). ``Core.lock`` held."""
@@ -172,10 +194,10 @@ class PeerSet:
         started = time.perf_counter()
         agent_name = ""
         try:
-            meta = self._fetch(ref)
+            meta, clock = self._fetch(ref)
             verdict = self._validate(meta, ref)
             if verdict.ok:
-                agent_name, stale = self._load(meta, ref)
+                agent_name, stale = self._load(meta, ref, clock)
                 result, message = ((HandshakeOutcome.STALE, stale) if stale
                                    else (HandshakeOutcome.SUCCEEDED, ""))
             else:
@@ -184,9 +206,9 @@ class PeerSet:
             result, message = _outcome_of(exc)
         return self._report(ref, result, message, agent_name, time.perf_counter() - started)
 
-    def _fetch(self, ref: PeerRef) -> NixlAgentMetadata:
-        """The peer's metadata from its side channel (no lock held: a slow peer stalls
-        nothing else)."""
+    def _fetch(self, ref: PeerRef) -> tuple[NixlAgentMetadata, ClockOffset]:
+        """The peer's metadata from its side channel and its clock against ours (no lock
+        held: a slow peer stalls nothing else)."""
         if self._client is None:
             raise self._core.closed()
         s = self._core.settings
@@ -194,7 +216,8 @@ class PeerSet:
             ref.host, ref.port, [(0, ref.tp_rank)], timeout_s=s.handshake_timeout_s,
             local_hash=self._hash, enforce_handshake_compat=s.enforce_hash,
             expected_engine_id=ref.engine_id)
-        return got.metadata(0, ref.tp_rank)
+        best = got.best
+        return got.metadata(0, ref.tp_rank), ClockOffset(best.clock_offset, best.rtt / 2)
 
     def _validate(self, meta: NixlAgentMetadata, ref: PeerRef) -> Verdict:
         broken = check_metadata(meta)   # a peer inconsistent with itself, whatever we are
@@ -211,7 +234,8 @@ class PeerSet:
         return validate_remote(replace(remote, engine_id=remote.engine_id),
                                self._local_geometry(), mode=e.mode)
 
-    def _load(self, meta: NixlAgentMetadata, ref: PeerRef) -> tuple[str, str]:
+    def _load(self, meta: NixlAgentMetadata, ref: PeerRef, clock: ClockOffset | None = None
+              ) -> tuple[str, str]:  # fmt: skip
         """Load the peer into NIXL; returns its agent name and, when it answered with
         another epoch than assigned (then unloaded again), why it is stale."""
         from ..nixl import RemoteEngine
@@ -234,7 +258,7 @@ class PeerSet:
                 return agent_name, str(StalePeerError(
                     f"side channel {ref.host}:{ref.port} answered with NIXL agent "
                     f"{agent_name!r}, not the assigned epoch {ref.epoch}"))
-            self._peers[ref.key] = _Peer(ref, agent_name)
+            self._peers[ref.key] = _Peer(ref, agent_name, clock)
             metrics.PEERS.set(len(self._peers))
         return agent_name, ""
 

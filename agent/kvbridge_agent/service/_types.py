@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 from .. import rules
 from ..errors import KVBridgeError
+from ..nixl._producer import DEFAULT_LEASE_S
 from ..resources import DECODE, HANDSHAKE_TIMEOUT_S, PREFILL, TRANSFER_TIMEOUT_S
 
 __all__ = [
@@ -153,6 +154,8 @@ class AgentSettings:
             on the engine's hot path.
         nixl_threads: UCX worker threads of the NIXL agent (0: NIXL's default). The vLLM
             connector passes vLLM's own ``num_threads`` (default 4), as vLLM's NIXL worker does.
+        lease_s: a producer's default lease; a heartbeat extends a held request to
+            ``now + lease_s * 2/3``. The vLLM connector passes ``kv_lease_duration``.
     """
 
     side_channel_host: str = "127.0.0.1"
@@ -168,6 +171,7 @@ class AgentSettings:
     producer_too: bool = False
     progress_thread: bool = True
     nixl_threads: int = 0
+    lease_s: float = DEFAULT_LEASE_S
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """``KVBridgeConnector``: vLLM's NIXL connector with kvbridge's agent as its worker.
 
 Loaded by vLLM's connector factory through ``kv_connector_module_path``. The scheduler side
-is vLLM's ``NixlPullConnectorScheduler`` unchanged (request flow, ``kv_transfer_params``,
-leases, the v11 side channel serving the payload this worker builds), so kvbridge and stock
-vLLM engines interoperate both ways. Unsupported settings fail here, at engine start-up,
-with the setting named. Push mode (vLLM's ``NixlPushConnector``) is not offered:
+is vLLM's ``NixlPullConnectorScheduler`` (request flow, ``kv_transfer_params``, leases, the
+v11 side channel serving the payload this worker builds), so kvbridge and stock vLLM
+engines interoperate both ways; it adds only the lease deadline a prefill states and a
+decode checks (:mod:`._scheduler`, :mod:`._lease`). Unsupported settings fail here, at
+engine start-up, with the setting named. Push mode (vLLM's ``NixlPushConnector``) is not offered:
 ``KVBridgePushConnector`` exists only to say so.
 """
 
@@ -16,11 +17,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlBaseConnector,
     NixlPullConnector,
-    NixlPullConnectorScheduler,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
 from ._facts import UnsupportedVllmSettingError, refuse_unsupported
+from ._scheduler import KVBridgePullScheduler
 from ._worker import KVBridgeWorker
 
 __all__ = ["KVBridgeConnector", "KVBridgePushConnector"]
@@ -34,7 +35,7 @@ class KVBridgeConnector(NixlPullConnector):
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         refuse_unsupported(vllm_config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = NixlPullConnectorScheduler(
+            self.connector_scheduler = KVBridgePullScheduler(
                 vllm_config, self.engine_id, kv_cache_config)
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = KVBridgeWorker(  # type: ignore[assignment]

@@ -5,7 +5,9 @@ class is that worker. Per engine step:
 
 - ``start_load_kv(metadata)``: pulls for ``reqs_to_recv`` (after an on-demand handshake in
   the background if the remote is not loaded yet, none if the operator's preflight loaded
-  it), lease bookkeeping for ``reqs_in_batch`` / ``reqs_to_send`` (the prefill side), and
+  it), each declined instead when the prefill's stated lease deadline has passed
+  (:mod:`._lease`; the request then follows ``kv_load_failure_policy``), lease
+  bookkeeping for ``reqs_in_batch`` / ``reqs_to_send`` (the prefill side), and
   the heartbeats vLLM's scheduler asks for;
 - ``get_transfer_results()``: finished and failed receives and the requests whose blocks
   may be freed (every consumer notified, or the lease expired), in vLLM's terms. A failed
@@ -24,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,11 +41,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 )
 
 from .. import env as names
+from .. import metrics
 from ..geometry import handshake_target_ranks
 from ..resources import HANDSHAKE_TIMEOUT_S, ROLES, TRANSFER_TIMEOUT_S
 from ..service import AgentService, AgentSettings, EngineInfo, PeerRef
 from ._facts import UnsupportedVllmSettingError, VllmEngineFacts, read_engine_facts
 from ._layers import LayerCache, layer_views
+from ._lease import DEFAULT_LEASE_MARGIN_S, HeartbeatLog, decide_read, read_deadline
+from ._scheduler import LEASE_EXTENSIONS_ATTR
 
 if TYPE_CHECKING:
     from ..kube import PodDuties
@@ -103,6 +109,11 @@ class KVBridgeWorker:
         self.handshake_timeout_s = float(
             extra.get("kvbridge_handshake_timeout_s", HANDSHAKE_TIMEOUT_S))
         self.lease_s = float(extra.get("kv_lease_duration", 30))
+        self.lease_margin_s = float(extra.get("kvbridge_lease_margin_s", DEFAULT_LEASE_MARGIN_S))
+        if self.lease_s <= 0 or self.lease_margin_s < 0:
+            raise UnsupportedVllmSettingError(
+                f"kv_lease_duration={self.lease_s}, kvbridge_lease_margin_s="
+                f"{self.lease_margin_s}: expected a lease > 0 and a margin >= 0 (seconds)")
         self.enforce_hash = bool(extra.get("enforce_handshake_compat", True))
         # vLLM's NIXL worker reads the same key with the same default (UCX worker threads)
         self.nixl_threads = int(extra.get("num_threads", 4))
@@ -119,6 +130,10 @@ class KVBridgeWorker:
         self._failed: set[str] = set()
         self._load_errors: set[int] = set()
         self._held: set[str] = set()                  # prefill side: requests in a batch
+        #: decode side: heartbeats sent per remote request, and the lease extension each
+        #: prefill stated, until the request's read starts
+        self._heartbeats = HeartbeatLog()
+        self._extensions: dict[str, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.static_peers = [_static_peer(p) for p in extra.get("kvbridge_peers") or ()]
@@ -143,6 +158,7 @@ class KVBridgeWorker:
             handshake_timeout_s=self.handshake_timeout_s,
             transfer_timeout_s=self.transfer_timeout_s, enforce_hash=self.enforce_hash,
             serve_side_channel=False, progress_thread=False, nixl_threads=self.nixl_threads,
+            lease_s=self.lease_s,
             producer_too=f.kv_role == "kv_both" and self.role == "decode")
         info = EngineInfo(
             f.engine_id, self.role, tp_rank=f.tp_rank, tp_size=f.tp_size, dp_index=f.dp_index,
@@ -211,6 +227,7 @@ class KVBridgeWorker:
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         svc = self._svc()
         self._drain_handshakes()
+        self._extensions.update(getattr(metadata, LEASE_EXTENSIONS_ATTR, None) or {})
         for req_id, meta in metadata.reqs_to_recv.items():
             remote = meta.remote
             assert remote is not None
@@ -227,17 +244,57 @@ class KVBridgeWorker:
         for engine_id, hb in metadata.heartbeat_by_engine.items():
             if svc.has_remote(engine_id):
                 svc.send_heartbeat(engine_id, sorted(hb.req_ids))
+                self._heartbeats.record(engine_id, hb.req_ids, time.perf_counter())
             else:
                 self._ensure_handshake(engine_id, hb.host, hb.port, hb.tp_size)
 
     def _start_pull(self, req_id: str, meta: ReqMeta) -> None:
         remote = meta.remote
         assert remote is not None
-        self._svc().start_pull(
+        svc = self._svc()
+        extension = self._extensions.pop(req_id, None)
+        sent = self._heartbeats.take(remote.engine_id, remote.request_id)
+        timeout = None
+        if remote.blocks_expiry_time is not None and any(meta.local_block_ids):
+            timeout = self._lease_timeout(req_id, meta, extension, sent)
+            if timeout is None:
+                return
+            # A heartbeat before the read: the prefill holds the blocks until it ends.
+            svc.send_heartbeat(remote.engine_id, [remote.request_id])
+        svc.start_pull(
             req_id, remote.engine_id, meta.local_block_ids, remote.block_ids,
             remote_request_id=remote.request_id,
             num_computed_blocks=list(meta.local_num_computed_blocks) or None,
-            remote_num_tokens=remote.num_tokens)
+            remote_num_tokens=remote.num_tokens, timeout_s=timeout)
+
+    def _lease_timeout(self, req_id: str, meta: ReqMeta, extension: float | None,
+                       heartbeats: list[float]) -> float | None:  # fmt: skip
+        """The read's deadline (seconds) when the prefill's lease leaves time for it; None
+        after declining the read (the request fails, and its load-failure policy applies)."""
+        remote = meta.remote
+        assert remote is not None and remote.blocks_expiry_time is not None
+        clock = self._svc().clock_offset(remote.engine_id)
+        now = time.perf_counter()
+        if clock is None:
+            why, left = "its clock offset is unknown (no handshake sample)", float("nan")
+        else:
+            deadline = read_deadline(clock.to_local(float(remote.blocks_expiry_time)),
+                                     heartbeats, extension, self.lease_margin_s)
+            decision = decide_read(now, deadline, margin_s=self.lease_margin_s,
+                                   clock_error_s=clock.error_s, extension_s=extension,
+                                   transfer_timeout_s=self.transfer_timeout_s)
+            if decision.read:
+                return decision.timeout_s
+            left = decision.left_s
+            why = (f"{left:.3f} s of its lease left, under the margin of "
+                   f"{self.lease_margin_s + clock.error_s:.3f} s (kvbridge_lease_margin_s "
+                   f"{self.lease_margin_s} + clock error {clock.error_s:.6f})")
+        metrics.LATE_READS.inc()
+        log.warning("declining the read of request %s from engine %s (remote request %s): "
+                    "%s; its blocks may be freed or reused, so kv_load_failure_policy "
+                    "applies", req_id, remote.engine_id, remote.request_id, why)
+        self._failed.add(req_id)
+        return None
 
     def _ensure_handshake(self, engine_id: str, host: str, port: int, tp_size: int) -> None:
         """Handshake with ``engine_id`` in the background (one at a time, as vLLM does)."""
@@ -284,7 +341,9 @@ class KVBridgeWorker:
                 continue
             log.warning("handshake with remote engine %s failed: %s; failing %d request(s)",
                         done.engine_id, done.message, len(waiting))
-            self._failed.update(req_id for req_id, _ in waiting)
+            for req_id, _ in waiting:
+                self._failed.add(req_id)
+                self._extensions.pop(req_id, None)
 
     # -- the prefill side: leases -------------------------------------------------------------
     def _producer_bookkeeping(self, metadata: NixlConnectorMetadata) -> None:
