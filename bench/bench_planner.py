@@ -112,9 +112,9 @@ def bench_planner() -> None:
 
 
 def bench_cluster() -> None:
-    sys.path.insert(0, str(REPO / "hack"))
-    import kvbridge_cluster as kc
     from kubernetes import client
+
+    from kvbridge_testkit import cluster as kc
 
     try:
         kc.Binaries.find()

@@ -1,7 +1,7 @@
 """`make demo`: kvbridge end to end on this machine, in one command.
 
 On a machine that can run one (root, cgroup v1, network namespaces), everything runs as it
-would for a user: a real kubelet node (hack/kvbridge_node.py) runs the operator from the
+would for a user: a real kubelet node (kvbridge_testkit.node) runs the operator from the
 chart, unmodified, and the serving pods from images built here (hack/node-images.sh). Where
 the node cannot start, the demo says why and falls back to simulated pods: real Pod objects
 on a node simulator, each backed by an agent process (demo/sim.py), with the operator as a
@@ -24,7 +24,7 @@ local ``kopf run``. ``KVBRIDGE_DEMO=simulated`` (or ``node``) chooses explicitly
    up (also on Ctrl-C).
 
 With Prometheus installed (``make test-stack`` installs Debian's), a real Prometheus on this
-machine (hack/kvbridge_prometheus.py) scrapes the operator and the agents (on a real node: the
+machine (kvbridge_testkit.prometheus) scrapes the operator and the agents (on a real node: the
 pod IPs, which the host routes to the node) with the chart's alert rules: the demo prints its
 scrape targets, and the KVBridgeTransferDegraded alert firing when the incompatible decode pod
 joins and resolving when it is removed.
@@ -47,12 +47,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "hack"), str(REPO / "demo"), str(REPO / "agent"),
-                str(REPO / "operator")]
+sys.path[:0] = [str(REPO / "demo"), str(REPO / "agent"), str(REPO / "operator")]
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
 
-import kvbridge_cluster as kc  # noqa: E402
+from kvbridge_testkit import cluster as kc  # noqa: E402
 
 NS, SYS_NS, RELEASE = "kvbridge-demo", "kvbridge-system", "kvbridge"
 OPERATOR_METRICS_PORT = 9090    # the chart's metrics.port
@@ -231,7 +230,6 @@ def run(cleanup: list) -> int:
 
 def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
     """A real node; the chart's operator Deployment and the serving pods run as containers."""
-    import kvbridge_node as kn
     from kubernetes import client
     from node_pods import (
         NodePod,
@@ -242,6 +240,8 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
         ucx_transports,
     )
     from sim import wait_until
+
+    from kvbridge_testkit import node as kn
 
     node_binaries = kn.NodeBinaries.find()
     say("node images: operator and agent from the Dockerfile, built with buildah over a Debian "
@@ -520,7 +520,7 @@ def setup_simulated(binaries: kc.Binaries, cleanup: list) -> Stage:
 def start_prometheus(stage: Stage, binaries: kc.Binaries, cleanup: list) -> Any:
     """A Prometheus on loopback scraping the operator (and, as pods start, the agents) with
     the chart's alerts; None, saying why, where it cannot run."""
-    import kvbridge_prometheus as kp
+    from kvbridge_testkit import prometheus as kp
 
     try:
         prom_binaries = kp.PromBinaries.find()
@@ -540,7 +540,7 @@ def start_prometheus(stage: Stage, binaries: kc.Binaries, cleanup: list) -> Any:
 
 def scrape_agents(prom: Any, started: dict[str, Any]) -> None:
     """Scrape every started agent that serves metrics, labelled as a PodMonitor would."""
-    from kvbridge_prometheus import AGENT_JOB
+    from kvbridge_testkit.prometheus import AGENT_JOB
 
     prom.set_targets(AGENT_JOB, [
         (h.metrics_target, {"namespace": NS, "pod": name})

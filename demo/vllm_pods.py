@@ -1,4 +1,4 @@
-"""vLLM serving pods on a real node (hack/kvbridge_node.py): the manifests of
+"""vLLM serving pods on a real node (kvbridge_testkit.node): the manifests of
 examples/serving/ as a node here runs them, and the P/D request flow vLLM documents, sent to
 the pods' OpenAI HTTP ports. Used by ``make demo`` and tests/node/test_vllm_serving.py.
 

@@ -380,11 +380,11 @@ def test_operator_reconciles_with_the_chart_service_account(
     """The Deployment's kopf command run as a separate process with only the chart's operator
     ServiceAccount token, and agents with only the chart's agent token, take a topology to
     Ready; the webhook serves the chart's certificate at the chart's paths."""
-    import kvbridge_cluster
     from kvb_e2e import Api
 
     from kvbridge_operator import testing as manifests
     from kvbridge_operator.config import ENDPOINTS, TRANSFERS
+    from kvbridge_testkit import cluster as kc
 
     for ns in (NS, SERVING):
         kube.create_namespace(ns)
@@ -402,12 +402,12 @@ def test_operator_reconciles_with_the_chart_service_account(
     op: Any = None
     try:
         kube.helm("install", RELEASE, str(CHART), "-n", NS, "-f", str(values))
-        ports = {k: kvbridge_cluster.free_port() for k in ("metrics", "liveness", "webhook")}
+        ports = {k: kc.free_port() for k in ("metrics", "liveness", "webhook")}
         work = tmp_path / "operator"
         work.mkdir()
         op = _deployment_operator(kube, work, ports)
         assert op.env["KVBRIDGE_PEERING"] == "kvbridge"  # mandatory peering, chart's object
-        with kvbridge_cluster.FakeKubelet(kube.cluster.api_client(), {"node-a": {}}):
+        with kc.FakeKubelet(kube.cluster.api_client(), {"node-a": {}}):
             op.start()
             admin = Api(kube.cluster.api_client())
             agent = Api(kube.cluster.api_client(kube.token_kubeconfig(SERVING, "kvbridge-agent")))

@@ -152,8 +152,9 @@ def crd_cluster(nodes: Mapping[str, Mapping[str, str]], workdir: Path | None = N
                 ) -> Iterator[Any]:  # fmt: skip
     """A LocalCluster with kvbridge's CRDs established and fake ``nodes``, stopped after use.
     Missing binaries FAIL (CI must run these tests): ``bash hack/test-stack.sh ensure``."""
-    import kvbridge_cluster as kc
     import pytest
+
+    from kvbridge_testkit import cluster as kc
 
     try:
         binaries = kc.Binaries.find()
@@ -174,9 +175,8 @@ def deploy_operator(cluster: Any, workdir: Path, env: dict[str, str] | None = No
     over loopback TLS; start it (``env`` adds KVBRIDGE_* settings, ``extra_args`` kopf run
     options) and register the webhook. Shared by the e2e and fault fixtures and the
     benchmarks; the caller stops it."""
-    import kvbridge_cluster as kc
-
     from kvbridge_operator.webhook import self_signed_certificate, webhook_configuration
+    from kvbridge_testkit import cluster as kc
 
     k = cluster.kubectl
     k("create", "namespace", OPERATOR_NS)

@@ -6,9 +6,9 @@ import time
 
 import pytest
 from kvb_e2e import Api, OperatorProcess, http_get, wait_for
-from kvbridge_cluster import free_port
 
 from kvbridge_operator.config import FINALIZER
+from kvbridge_testkit.cluster import free_port
 
 pytestmark = pytest.mark.k8s
 

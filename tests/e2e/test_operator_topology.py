@@ -188,7 +188,7 @@ ZONE = "topology.kubernetes.io/zone"
 @pytest.fixture
 def node_c(cluster) -> Iterator[str]:
     """A third node, zone-b, served by its own fake kubelet; deleted afterwards."""
-    import kvbridge_cluster as kc
+    from kvbridge_testkit import cluster as kc
 
     name = f"node-c-{uuid.uuid4().hex[:5]}"
     with kc.FakeKubelet(cluster.api_client(), {name: {ZONE: "zone-b"}}):

@@ -29,12 +29,12 @@ from typing import Any
 import pytest
 import vllm_pods as vp
 from kvb_e2e import Api, wait_for
-from kvbridge_cluster import free_port
 from sim import SimPod, create_agent_rbac, pod_bound_token
 from vllm_harness import vllm_python
 from vllm_servers import OpenAIServer, connector_config, start_servers
 
 from kvbridge_operator.config import TRANSFERS
+from kvbridge_testkit.cluster import free_port
 
 pytestmark = [pytest.mark.k8s, pytest.mark.nixl, pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.timeout(900)]  # fmt: skip
