@@ -36,7 +36,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -466,34 +465,25 @@ def setup_simulated(binaries: kc.Binaries, cleanup: list) -> Stage:
         "webhook on loopback TLS) ...")
     token = k("create", "token", RELEASE, "-n", SYS_NS, "--duration=3600s").stdout.strip()
     kubeconfig = cluster.kubeconfig_for_token(token, "operator")
-    liveness, webhook_port, metrics_port = kc.free_port(), kc.free_port(), kc.free_port()
+    ports = {k: kc.free_port() for k in ("liveness", "webhook", "metrics")}
     from kvbridge_operator.webhook import self_signed_certificate
+    from kvbridge_testkit.operator_process import OperatorProcess, loopback_settings
 
     cert, key = self_signed_certificate(Path(cluster.workdir) / "webhook",
                                         ["127.0.0.1", "localhost"])
-    log = open(Path(cluster.workdir) / "operator.log", "wb")   # noqa: SIM115
-    op = subprocess.Popen(
-        [sys.executable, "-m", "kopf", "run", "--all-namespaces",
-         f"--liveness=http://127.0.0.1:{liveness}/healthz", "-m", "kvbridge_operator.main"],
-        stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "KUBECONFIG": str(kubeconfig), "KVBRIDGE_PEERING": "",
-             "KVBRIDGE_METRICS_PORT": str(metrics_port), "KVBRIDGE_METRICS_ADDR": "127.0.0.1",
-             "KVBRIDGE_WEBHOOK_PORT": str(webhook_port), "KVBRIDGE_WEBHOOK_ADDR": "127.0.0.1",
-             "KVBRIDGE_WEBHOOK_HOST": "127.0.0.1", "KVBRIDGE_WEBHOOK_CERT": str(cert),
-             "KVBRIDGE_WEBHOOK_KEY": str(key), "KVBRIDGE_DEBOUNCE": "0.1",
-             "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'agent'}"})
-
-    def stop_op() -> None:
-        if op.poll() is None:
-            op.terminate()
-            try:
-                op.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                op.kill()
-        log.close()
-
-    cleanup.append(stop_op)
-    register_webhook(cluster, op, webhook_port, Path(cert).read_bytes(), cleanup)
+    op = OperatorProcess(
+        kubeconfig, Path(cluster.workdir),
+        {"KVBRIDGE_PEERING": "", **loopback_settings(ports, cert, key),
+         "KVBRIDGE_DEBOUNCE": "0.1", "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'agent'}"},
+        ports, log_name="operator.log", stop_timeout=15)
+    cleanup.append(op.stop)
+    try:
+        op.start()
+    except AssertionError as exc:
+        raise SystemExit(f"the operator did not start ({str(exc).splitlines()[0]}); see its "
+                         f"log in {op.log_path}") from None
+    webhook_port, metrics_port = ports["webhook"], ports["metrics"]
+    register_webhook(cluster, webhook_port, Path(cert).read_bytes(), cleanup)
     say(f"admission webhook registered (https://127.0.0.1:{webhook_port}, "
         "ValidatingWebhookConfiguration kvbridge-validation) and answering")
 
@@ -599,24 +589,13 @@ def show_alert(prom: Any, stage: Stage, started: dict[str, Any]) -> None:
     say("  KVBridgeTransferDegraded resolved: the KVTransfer is no longer Degraded")
 
 
-def register_webhook(cluster: kc.LocalCluster, op: subprocess.Popen, port: int, ca: bytes,
-                     cleanup: list) -> None:
-    """Wait for the operator's webhook server, register the ValidatingWebhookConfiguration
-    (URL form, the caller's CA) and wait until the apiserver calls it."""
+def register_webhook(cluster: kc.LocalCluster, port: int, ca: bytes, cleanup: list) -> None:
+    """Register the ValidatingWebhookConfiguration of the (started, listening) operator's
+    webhook (URL form, the caller's CA) and wait until the apiserver calls it."""
     from kubernetes import client
-    from sim import wait_until
 
     from kvbridge_operator.webhook import webhook_configuration
 
-    def listening() -> bool:
-        if op.poll() is not None:
-            raise SystemExit(f"the operator exited (rc {op.returncode}); see its log in "
-                             f"{cluster.workdir}/operator.log")
-        with socket.socket() as s:
-            s.settimeout(0.5)
-            return s.connect_ex(("127.0.0.1", port)) == 0
-
-    wait_until(listening, timeout=60, interval=0.1, what="the operator's webhook server")
     reg = client.AdmissionregistrationV1Api(cluster.api_client())
     reg.create_validating_webhook_configuration(webhook_configuration(
         "kvbridge-validation", ca, url=f"https://127.0.0.1:{port}"))

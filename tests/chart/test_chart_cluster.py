@@ -10,11 +10,8 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import os
 import socket
 import ssl
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -325,9 +322,10 @@ def _review(
 
 
 def _deployment_operator(kube: Kube, work: Path, ports: dict[str, int]) -> Any:
-    """An e2e ``OperatorProcess`` that runs the installed Deployment's own command line (scope
-    and namespace flags included), with the liveness endpoint moved to a loopback port."""
-    from kvb_e2e import OperatorProcess
+    """An ``OperatorProcess`` that runs the installed Deployment's own command line (scope and
+    namespace flags included), with the liveness endpoint moved to a loopback port; ready once
+    live (the test calls the webhook itself)."""
+    from kvbridge_testkit.operator_process import OperatorProcess
 
     dep = kube.get("deployment", RELEASE, "-n", NS)
     (container,) = dep["spec"]["template"]["spec"]["containers"]
@@ -335,32 +333,9 @@ def _deployment_operator(kube: Kube, work: Path, ports: dict[str, int]) -> Any:
     assert command[:2] == ["kopf", "run"], command
     liveness = f"--liveness=http://127.0.0.1:{ports['liveness']}/healthz"
     args = [liveness if a.startswith("--liveness=") else a for a in command[2:]]
-
-    class DeploymentOperator(OperatorProcess):
-        def start(self, timeout: float = 60.0) -> None:
-            self.starts += 1
-            env = {**os.environ, **self.env, "KUBECONFIG": str(self.kubeconfig)}
-            with open(self.log_path, "wb") as out:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "kopf", "run", *args],
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                )
-
-            def alive() -> bool:
-                if self.proc is not None and self.proc.poll() is not None:
-                    raise AssertionError(f"operator exited:\n{self.log()[-4000:]}")
-                try:
-                    with urllib.request.urlopen(self.liveness_url, timeout=2) as resp:
-                        return resp.status == 200
-                except OSError:
-                    return False
-
-            wait_for(alive, what="operator liveness", timeout=timeout)
-
-    return DeploymentOperator(
-        kube.token_kubeconfig(NS, "kvbridge"), work, _local_env(kube, work, ports), ports
+    return OperatorProcess(
+        kube.token_kubeconfig(NS, "kvbridge"), work, _local_env(kube, work, ports), ports,
+        args=args, wait_webhook=False,
     )
 
 
