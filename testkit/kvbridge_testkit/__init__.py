@@ -12,6 +12,8 @@ editable from the checkout (``make venv``) and never shipped in kvbridge's wheel
 
 from pathlib import Path
 
+__all__ = ["HACK", "REPO"]
+
 #: The repository root: the chart, the CRDs and hack/'s scripts are read from here.
 REPO = Path(__file__).resolve().parents[2]
 #: The build scripts (test-stack.sh, node-images.sh, vllm-venv.sh) and operator-rbac.yaml.
