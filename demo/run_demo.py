@@ -328,17 +328,9 @@ def serve_vllm(cluster: kc.LocalCluster, image: str, helm: Path) -> None:
         f"x1 and {vp.TRANSFER}-decode x2 running `vllm serve` with KVBridgeConnector; image "
         f"{image}) ...")
 
-    def pods() -> dict[str, list[Any]]:
-        out: dict[str, list[Any]] = {"prefill": [], "decode": []}
-        for p in core.list_namespaced_pod(NS, label_selector=f"app.kubernetes.io/name="
-                                          f"{vp.TRANSFER}").items:  # fmt: skip
-            if p.metadata.name == bad:
-                continue
-            if any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or []):
-                out[p.metadata.labels["kvbridge.io/role"]].append(p)
-        return out if len(out["prefill"]) == 1 and len(out["decode"]) == 2 else {}
-
-    ready = wait_until(pods, timeout=420, interval=2, what="vLLM pods Ready")
+    # The incompatible decode is a variant pod, which serving_pods leaves out.
+    ready = wait_until(lambda: vp.serving_pods(core, NS), timeout=420, interval=2,
+                       what="vLLM pods Ready")
     say(f"vLLM pods Ready {time.monotonic() - t0:.0f} s after apply: "
         f"{', '.join(p.metadata.name for ps in ready.values() for p in ps)}")
 
