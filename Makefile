@@ -16,17 +16,17 @@ NIXL_SPEC ?= nixl-cu12==1.5.1
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml testkit/pyproject.toml
 	@echo ">> creating $(VENV) (first run installs torch CPU, NIXL and the project)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install "$(TORCH_SPEC)"
 	$(PIP) install --no-deps "$(NIXL_SPEC)"
-	$(PIP) install -e '.[test]'
+	$(PIP) install -e '.[test]' -e ./testkit
 	touch $@
 
 lint: venv
-	$(BIN)/ruff check agent operator router tests bench demo
+	$(BIN)/ruff check agent operator router testkit tests bench demo
 
 # A real kube-apiserver, kube-controller-manager and etcd for the operator, chart and e2e
 # tests; the first build takes ~7-10 minutes and is cached under /var/cache/kvbridge.

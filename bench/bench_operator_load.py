@@ -1,6 +1,6 @@
 """Operator under load: many KVEndpoints whose epochs flap (agents restarting).
 
-On its own local control plane (hack/kvbridge_cluster.py), with the operator installed as in
+On its own local control plane (kvbridge_testkit.cluster), with the operator installed as in
 production (least-privilege token, admission webhook on, production debounce unless
 KVBRIDGE_DEBOUNCE is set): create KVB_LOAD_ENDPOINTS KVEndpoints (default 2000) in
 KVB_LOAD_TRANSFERS KVTransfers (default 4; prefill/decode TP 2/1, 1/1, 1/2, 2/2), wait until
@@ -32,14 +32,14 @@ from typing import Any
 from _common import emit
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "hack"), str(REPO / "tests" / "e2e")]
+sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
 import kvb_load as L  # noqa: E402
-import kvbridge_cluster as kc  # noqa: E402
 from kubernetes import client  # noqa: E402
 from kvb_e2e import deploy_operator, http_get  # noqa: E402
 
 from kvbridge_operator.config import ENDPOINTS, GROUP, TRANSFERS, VERSION  # noqa: E402
+from kvbridge_testkit import cluster as kc  # noqa: E402
 
 NS = "load"
 

@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -112,9 +109,10 @@ def bench_planner() -> None:
 
 
 def bench_cluster() -> None:
-    sys.path.insert(0, str(REPO / "hack"))
-    import kvbridge_cluster as kc
     from kubernetes import client
+
+    from kvbridge_testkit import cluster as kc
+    from kvbridge_testkit.operator_process import OperatorProcess
 
     try:
         kc.Binaries.find()
@@ -127,51 +125,25 @@ def bench_cluster() -> None:
         cluster.kubectl("apply", "-f", str(REPO / "crds"))
         cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
         cluster.kubectl("create", "namespace", "bench")
-        env = {
-            **os.environ,
-            "KUBECONFIG": str(cluster.kubeconfig),
+        settings = {
             "KVBRIDGE_PEERING": "",
             "KVBRIDGE_METRICS_PORT": "0",
             "KVBRIDGE_WEBHOOK_PORT": "0",
             "KVBRIDGE_DEBOUNCE": "0.2",
         }
-        live = kc.free_port()
-        with open(work / "operator.log", "wb") as log:
-            op = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "kopf",
-                    "run",
-                    "--all-namespaces",
-                    "--standalone",
-                    f"--liveness=http://127.0.0.1:{live}/healthz",
-                    "-m",
-                    "kvbridge_operator.main",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
+        op = OperatorProcess(cluster.kubeconfig, work, settings, {"liveness": kc.free_port()},
+                             extra_args=["--standalone"], log_name="operator.log",
+                             stop_timeout=30)  # fmt: skip
         try:
-            _converge(cluster, client, n, live)
+            op.start()
+            _converge(cluster, client, n)
         finally:
-            op.send_signal(signal.SIGTERM)
-            op.wait(timeout=30)
+            op.stop()
 
 
-def _converge(cluster: Any, client: Any, n: int, live: int) -> None:
-    import urllib.request
-
+def _converge(cluster: Any, client: Any, n: int) -> None:
     api = client.CustomObjectsApi(cluster.api_client())
     g, v = "kvbridge.io", "v1alpha1"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{live}/healthz", timeout=1)
-            break
-        except OSError:
-            time.sleep(0.2)
     api.create_namespaced_custom_object(g, v, "bench", "kvtransfers", T.transfer_manifest())
     start = time.perf_counter()
     for i in range(n):

@@ -49,9 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# _common lives beside this script; the real-engine harness (tests/vllm_engines/vllm_harness.py)
-# is no package and imports kvbridge_cluster (free_port) from hack/, so both go on sys.path.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hack"))
+# _common lives beside this script and the real-engine harness (tests/vllm_engines/
+# vllm_harness.py) is no package, so both go on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm_engines"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -1,4 +1,4 @@
-"""Serving pods on a real node (hack/kvbridge_node.py): the agent image's engine stand-in
+"""Serving pods on a real node (kvbridge_testkit.node): the agent image's engine stand-in
 (demo/pod_agent.py) as a real container, and a handle that drives it over its TCP control
 port. Used by ``make demo`` on a real node and by tests/node."""
 

@@ -1,7 +1,7 @@
 """`make demo`: kvbridge end to end on this machine, in one command.
 
 On a machine that can run one (root, cgroup v1, network namespaces), everything runs as it
-would for a user: a real kubelet node (hack/kvbridge_node.py) runs the operator from the
+would for a user: a real kubelet node (kvbridge_testkit.node) runs the operator from the
 chart, unmodified, and the serving pods from images built here (hack/node-images.sh). Where
 the node cannot start, the demo says why and falls back to simulated pods: real Pod objects
 on a node simulator, each backed by an agent process (demo/sim.py), with the operator as a
@@ -24,7 +24,7 @@ local ``kopf run``. ``KVBRIDGE_DEMO=simulated`` (or ``node``) chooses explicitly
    up (also on Ctrl-C).
 
 With Prometheus installed (``make test-stack`` installs Debian's), a real Prometheus on this
-machine (hack/kvbridge_prometheus.py) scrapes the operator and the agents (on a real node: the
+machine (kvbridge_testkit.prometheus) scrapes the operator and the agents (on a real node: the
 pod IPs, which the host routes to the node) with the chart's alert rules: the demo prints its
 scrape targets, and the KVBridgeTransferDegraded alert firing when the incompatible decode pod
 joins and resolving when it is removed.
@@ -36,7 +36,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,12 +46,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "hack"), str(REPO / "demo"), str(REPO / "agent"),
-                str(REPO / "operator")]
+sys.path[:0] = [str(REPO / "demo"), str(REPO / "agent"), str(REPO / "operator")]
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
 
-import kvbridge_cluster as kc  # noqa: E402
+from kvbridge_testkit import cluster as kc  # noqa: E402
 
 NS, SYS_NS, RELEASE = "kvbridge-demo", "kvbridge-system", "kvbridge"
 OPERATOR_METRICS_PORT = 9090    # the chart's metrics.port
@@ -231,7 +229,6 @@ def run(cleanup: list) -> int:
 
 def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
     """A real node; the chart's operator Deployment and the serving pods run as containers."""
-    import kvbridge_node as kn
     from kubernetes import client
     from node_pods import (
         NodePod,
@@ -242,6 +239,8 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
         ucx_transports,
     )
     from sim import wait_until
+
+    from kvbridge_testkit import node as kn
 
     node_binaries = kn.NodeBinaries.find()
     say("node images: operator and agent from the Dockerfile, built with buildah over a Debian "
@@ -329,17 +328,9 @@ def serve_vllm(cluster: kc.LocalCluster, image: str, helm: Path) -> None:
         f"x1 and {vp.TRANSFER}-decode x2 running `vllm serve` with KVBridgeConnector; image "
         f"{image}) ...")
 
-    def pods() -> dict[str, list[Any]]:
-        out: dict[str, list[Any]] = {"prefill": [], "decode": []}
-        for p in core.list_namespaced_pod(NS, label_selector=f"app.kubernetes.io/name="
-                                          f"{vp.TRANSFER}").items:  # fmt: skip
-            if p.metadata.name == bad:
-                continue
-            if any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or []):
-                out[p.metadata.labels["kvbridge.io/role"]].append(p)
-        return out if len(out["prefill"]) == 1 and len(out["decode"]) == 2 else {}
-
-    ready = wait_until(pods, timeout=420, interval=2, what="vLLM pods Ready")
+    # The incompatible decode is a variant pod, which serving_pods leaves out.
+    ready = wait_until(lambda: vp.serving_pods(core, NS), timeout=420, interval=2,
+                       what="vLLM pods Ready")
     say(f"vLLM pods Ready {time.monotonic() - t0:.0f} s after apply: "
         f"{', '.join(p.metadata.name for ps in ready.values() for p in ps)}")
 
@@ -466,34 +457,25 @@ def setup_simulated(binaries: kc.Binaries, cleanup: list) -> Stage:
         "webhook on loopback TLS) ...")
     token = k("create", "token", RELEASE, "-n", SYS_NS, "--duration=3600s").stdout.strip()
     kubeconfig = cluster.kubeconfig_for_token(token, "operator")
-    liveness, webhook_port, metrics_port = kc.free_port(), kc.free_port(), kc.free_port()
+    ports = {k: kc.free_port() for k in ("liveness", "webhook", "metrics")}
     from kvbridge_operator.webhook import self_signed_certificate
+    from kvbridge_testkit.operator_process import OperatorProcess, loopback_settings
 
     cert, key = self_signed_certificate(Path(cluster.workdir) / "webhook",
                                         ["127.0.0.1", "localhost"])
-    log = open(Path(cluster.workdir) / "operator.log", "wb")   # noqa: SIM115
-    op = subprocess.Popen(
-        [sys.executable, "-m", "kopf", "run", "--all-namespaces",
-         f"--liveness=http://127.0.0.1:{liveness}/healthz", "-m", "kvbridge_operator.main"],
-        stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "KUBECONFIG": str(kubeconfig), "KVBRIDGE_PEERING": "",
-             "KVBRIDGE_METRICS_PORT": str(metrics_port), "KVBRIDGE_METRICS_ADDR": "127.0.0.1",
-             "KVBRIDGE_WEBHOOK_PORT": str(webhook_port), "KVBRIDGE_WEBHOOK_ADDR": "127.0.0.1",
-             "KVBRIDGE_WEBHOOK_HOST": "127.0.0.1", "KVBRIDGE_WEBHOOK_CERT": str(cert),
-             "KVBRIDGE_WEBHOOK_KEY": str(key), "KVBRIDGE_DEBOUNCE": "0.1",
-             "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'agent'}"})
-
-    def stop_op() -> None:
-        if op.poll() is None:
-            op.terminate()
-            try:
-                op.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                op.kill()
-        log.close()
-
-    cleanup.append(stop_op)
-    register_webhook(cluster, op, webhook_port, Path(cert).read_bytes(), cleanup)
+    op = OperatorProcess(
+        kubeconfig, Path(cluster.workdir),
+        {"KVBRIDGE_PEERING": "", **loopback_settings(ports, cert, key),
+         "KVBRIDGE_DEBOUNCE": "0.1", "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'agent'}"},
+        ports, log_name="operator.log", stop_timeout=15)
+    cleanup.append(op.stop)
+    try:
+        op.start()
+    except AssertionError as exc:
+        raise SystemExit(f"the operator did not start ({str(exc).splitlines()[0]}); see its "
+                         f"log in {op.log_path}") from None
+    webhook_port, metrics_port = ports["webhook"], ports["metrics"]
+    register_webhook(cluster, webhook_port, Path(cert).read_bytes(), cleanup)
     say(f"admission webhook registered (https://127.0.0.1:{webhook_port}, "
         "ValidatingWebhookConfiguration kvbridge-validation) and answering")
 
@@ -520,7 +502,7 @@ def setup_simulated(binaries: kc.Binaries, cleanup: list) -> Stage:
 def start_prometheus(stage: Stage, binaries: kc.Binaries, cleanup: list) -> Any:
     """A Prometheus on loopback scraping the operator (and, as pods start, the agents) with
     the chart's alerts; None, saying why, where it cannot run."""
-    import kvbridge_prometheus as kp
+    from kvbridge_testkit import prometheus as kp
 
     try:
         prom_binaries = kp.PromBinaries.find()
@@ -540,7 +522,7 @@ def start_prometheus(stage: Stage, binaries: kc.Binaries, cleanup: list) -> Any:
 
 def scrape_agents(prom: Any, started: dict[str, Any]) -> None:
     """Scrape every started agent that serves metrics, labelled as a PodMonitor would."""
-    from kvbridge_prometheus import AGENT_JOB
+    from kvbridge_testkit.prometheus import AGENT_JOB
 
     prom.set_targets(AGENT_JOB, [
         (h.metrics_target, {"namespace": NS, "pod": name})
@@ -599,24 +581,13 @@ def show_alert(prom: Any, stage: Stage, started: dict[str, Any]) -> None:
     say("  KVBridgeTransferDegraded resolved: the KVTransfer is no longer Degraded")
 
 
-def register_webhook(cluster: kc.LocalCluster, op: subprocess.Popen, port: int, ca: bytes,
-                     cleanup: list) -> None:
-    """Wait for the operator's webhook server, register the ValidatingWebhookConfiguration
-    (URL form, the caller's CA) and wait until the apiserver calls it."""
+def register_webhook(cluster: kc.LocalCluster, port: int, ca: bytes, cleanup: list) -> None:
+    """Register the ValidatingWebhookConfiguration of the (started, listening) operator's
+    webhook (URL form, the caller's CA) and wait until the apiserver calls it."""
     from kubernetes import client
-    from sim import wait_until
 
     from kvbridge_operator.webhook import webhook_configuration
 
-    def listening() -> bool:
-        if op.poll() is not None:
-            raise SystemExit(f"the operator exited (rc {op.returncode}); see its log in "
-                             f"{cluster.workdir}/operator.log")
-        with socket.socket() as s:
-            s.settimeout(0.5)
-            return s.connect_ex(("127.0.0.1", port)) == 0
-
-    wait_until(listening, timeout=60, interval=0.1, what="the operator's webhook server")
     reg = client.AdmissionregistrationV1Api(cluster.api_client())
     reg.create_validating_webhook_configuration(webhook_configuration(
         "kvbridge-validation", ca, url=f"https://127.0.0.1:{port}"))

@@ -1,5 +1,5 @@
 """Simulated pods for the demo and the e2e tests: a real Pod object (made Running by the
-node simulator, ``hack/kvbridge_cluster.FakeKubelet``) backed by a real agent process
+node simulator, ``hack/kc.FakeKubelet``) backed by a real agent process
 (``demo/pod_agent.py``) that authenticates with a token bound to that Pod.
 
 Every wait has a deadline; :meth:`SimPod.stop` / :meth:`SimPod.kill` end only the process
@@ -64,7 +64,7 @@ class SimPod:
     """One simulated serving pod: Pod object + agent process.
 
     Args:
-        cluster: a ``hack/kvbridge_cluster.LocalCluster`` (admin, for pods and tokens).
+        cluster: a ``kvbridge_testkit.cluster.LocalCluster`` (admin, for pods and tokens).
         namespace / name / role / engine_id / preset / seed: the pod and its agent.
         sa: the workload ServiceAccount the pod runs as.
         host: side-channel bind/advertise address (loopback, or a netns address).

@@ -1,6 +1,7 @@
-"""vLLM serving pods on a real node (hack/kvbridge_node.py): the manifests of
+"""vLLM serving pods on a real node (kvbridge_testkit.node): the manifests of
 examples/serving/ as a node here runs them, and the P/D request flow vLLM documents, sent to
-the pods' OpenAI HTTP ports. Used by ``make demo`` and tests/node/test_vllm_serving.py.
+the pods' OpenAI HTTP ports. Used by ``make demo``, tests/node/test_serving_vllm.py and
+tests/e2e/test_router_engines.py.
 
 The example files are applied as written except for the image, which on this machine is the
 locally built ``localhost/kvbridge-vllm:dev``: nothing else may differ, so the examples cannot
@@ -9,13 +10,16 @@ rot unnoticed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import random
+import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +74,28 @@ def incompatible_decode(decode: dict[str, Any], name: str, dtype: str = "bfloat1
     labels = {**template["metadata"]["labels"], "kvbridge.io/variant": f"kv-{dtype}"}
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "labels": labels}, "spec": template["spec"]}
+
+
+def pod_ready(pod: Any) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+
+def role_pods(core: Any, ns: str, role: str) -> list[Any]:
+    """The example Deployments' ``role`` pods in ``ns`` (CoreV1Api ``core``), by name: pods
+    being deleted and variants (:func:`incompatible_decode`) left out."""
+    selector = f"app.kubernetes.io/name={TRANSFER},kvbridge.io/role={role}"
+    return sorted((p for p in core.list_namespaced_pod(ns, label_selector=selector).items
+                   if p.metadata.deletion_timestamp is None
+                   and "kvbridge.io/variant" not in (p.metadata.labels or {})),
+                  key=lambda p: p.metadata.name)  # fmt: skip
+
+
+def serving_pods(core: Any, ns: str) -> dict[str, list[Any]] | None:
+    """The examples' one prefill and two decode pods by role, once all are Ready; None until
+    then (a poll for a fresh apply, or for a deleted pod's replacement)."""
+    pods = {role: role_pods(core, ns, role) for role in ("prefill", "decode")}
+    counts_ok = len(pods["prefill"]) == 1 and len(pods["decode"]) == 2
+    return pods if counts_ok and all(pod_ready(p) for ps in pods.values() for p in ps) else None
 
 
 def prompts(count: int, seed: int, words: int = 40) -> list[str]:
@@ -200,3 +226,48 @@ def router_series(router: str, name: str) -> list[tuple[dict[str, str], float]]:
                      if "=" in part)  # fmt: skip
             out.append(({k: v.strip('"') for k, v in pairs}, value))
     return out
+
+
+@dataclass
+class RoutedLoad:
+    """What :func:`routed_load`'s clients got, in order: (prompt, token ids) per answer and
+    (prompt, EngineError) per failed request, so wrong tokens and failures are told apart."""
+
+    results: list[tuple[str, list[int] | EngineError]] = field(default_factory=list)
+
+    @property
+    def answered(self) -> list[tuple[str, list[int]]]:
+        return [(p, t) for p, t in self.results if not isinstance(t, EngineError)]
+
+    @property
+    def failed(self) -> list[EngineError]:
+        return [t for _, t in self.results if isinstance(t, EngineError)]
+
+
+@contextlib.contextmanager
+def routed_load(router: str, prompts: Sequence[str], max_tokens: int, clients: int = 4
+                ) -> Iterator[RoutedLoad]:  # fmt: skip
+    """``clients`` threads sending greedy completions of ``prompts`` (each client starting at
+    its own) to the router back to back while the block runs: steady load under which a test
+    removes a decode. Leaving the block stops and joins them; a client's unexpected error is
+    raised there."""
+    load, stop, prompts = RoutedLoad(), threading.Event(), list(prompts)
+
+    def client(offset: int) -> None:
+        while not stop.is_set():
+            prompt = prompts[offset % len(prompts)]
+            offset += 1
+            try:
+                answer = routed_complete(router, prompt, max_tokens)
+                load.results.append((prompt, answer["choices"][0]["token_ids"]))
+            except EngineError as exc:
+                load.results.append((prompt, exc))
+
+    with ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(client, i) for i in range(clients)]
+        try:
+            yield load
+        finally:
+            stop.set()   # also when the block fails: the clients never outlive it
+        for f in futures:
+            f.result()

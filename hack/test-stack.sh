@@ -44,11 +44,11 @@ BUILD_DIR="$KVB_CACHE/build"
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 APT_PACKAGES=(golang-go dpkg-dev rsync jq etcd-server golang-github-modern-go-reflect2-dev
               golang-github-json-iterator-go-dev openssl iproute2 ca-certificates
-              # the real node (hack/kvbridge_node.py) and its images (hack/node-images.sh)
+              # the real node (kvbridge_testkit.node) and its images (hack/node-images.sh)
               containerd runc containernetworking-plugins iptables conntrack util-linux
               buildah debootstrap gcc libc6-dev
               # Prometheus 2.42 and promtool: the chart's alerts and dashboard against a real
-              # Prometheus (hack/kvbridge_prometheus.py runs its own, on loopback)
+              # Prometheus (kvbridge_testkit.prometheus runs its own, on loopback)
               prometheus)
 
 log() { printf '[test-stack %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }

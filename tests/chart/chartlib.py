@@ -166,7 +166,7 @@ def iter_containers(objs: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 class Kube:
     """helm and kubectl against the local cluster, as the admin unless told otherwise."""
 
-    cluster: Any  # kvbridge_cluster.LocalCluster
+    cluster: Any  # kvbridge_testkit.cluster.LocalCluster
     helm_home: Path
 
     def env(self, kubeconfig: Path | None = None) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Fixtures for the chart's cluster tests: one local control plane (hack/kvbridge_cluster.py)
+"""Fixtures for the chart's cluster tests: one local control plane (kvbridge_testkit.cluster)
 per session, and helm/kubectl bound to it with private helm state directories."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from chartlib import Kube
 
 @pytest.fixture(scope="session")
 def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
-    import kvbridge_cluster
+    from kvbridge_testkit import cluster as kc
 
     try:
-        binaries = kvbridge_cluster.Binaries.find()
-    except kvbridge_cluster.StackMissingError as exc:
+        binaries = kc.Binaries.find()
+    except kc.StackMissingError as exc:
         pytest.fail(str(exc), pytrace=False)  # never a silent skip: CI must run these
-    cluster = kvbridge_cluster.LocalCluster(
+    cluster = kc.LocalCluster(
         workdir=tmp_path_factory.mktemp("chart-cluster"), binaries=binaries
     )
     with cluster:

@@ -10,11 +10,8 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import os
 import socket
 import ssl
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -325,9 +322,10 @@ def _review(
 
 
 def _deployment_operator(kube: Kube, work: Path, ports: dict[str, int]) -> Any:
-    """An e2e ``OperatorProcess`` that runs the installed Deployment's own command line (scope
-    and namespace flags included), with the liveness endpoint moved to a loopback port."""
-    from kvb_e2e import OperatorProcess
+    """An ``OperatorProcess`` that runs the installed Deployment's own command line (scope and
+    namespace flags included), with the liveness endpoint moved to a loopback port; ready once
+    live (the test calls the webhook itself)."""
+    from kvbridge_testkit.operator_process import OperatorProcess
 
     dep = kube.get("deployment", RELEASE, "-n", NS)
     (container,) = dep["spec"]["template"]["spec"]["containers"]
@@ -335,32 +333,9 @@ def _deployment_operator(kube: Kube, work: Path, ports: dict[str, int]) -> Any:
     assert command[:2] == ["kopf", "run"], command
     liveness = f"--liveness=http://127.0.0.1:{ports['liveness']}/healthz"
     args = [liveness if a.startswith("--liveness=") else a for a in command[2:]]
-
-    class DeploymentOperator(OperatorProcess):
-        def start(self, timeout: float = 60.0) -> None:
-            self.starts += 1
-            env = {**os.environ, **self.env, "KUBECONFIG": str(self.kubeconfig)}
-            with open(self.log_path, "wb") as out:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "kopf", "run", *args],
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                )
-
-            def alive() -> bool:
-                if self.proc is not None and self.proc.poll() is not None:
-                    raise AssertionError(f"operator exited:\n{self.log()[-4000:]}")
-                try:
-                    with urllib.request.urlopen(self.liveness_url, timeout=2) as resp:
-                        return resp.status == 200
-                except OSError:
-                    return False
-
-            wait_for(alive, what="operator liveness", timeout=timeout)
-
-    return DeploymentOperator(
-        kube.token_kubeconfig(NS, "kvbridge"), work, _local_env(kube, work, ports), ports
+    return OperatorProcess(
+        kube.token_kubeconfig(NS, "kvbridge"), work, _local_env(kube, work, ports), ports,
+        args=args, wait_webhook=False,
     )
 
 
@@ -380,11 +355,11 @@ def test_operator_reconciles_with_the_chart_service_account(
     """The Deployment's kopf command run as a separate process with only the chart's operator
     ServiceAccount token, and agents with only the chart's agent token, take a topology to
     Ready; the webhook serves the chart's certificate at the chart's paths."""
-    import kvbridge_cluster
     from kvb_e2e import Api
 
     from kvbridge_operator import testing as manifests
     from kvbridge_operator.config import ENDPOINTS, TRANSFERS
+    from kvbridge_testkit import cluster as kc
 
     for ns in (NS, SERVING):
         kube.create_namespace(ns)
@@ -402,12 +377,12 @@ def test_operator_reconciles_with_the_chart_service_account(
     op: Any = None
     try:
         kube.helm("install", RELEASE, str(CHART), "-n", NS, "-f", str(values))
-        ports = {k: kvbridge_cluster.free_port() for k in ("metrics", "liveness", "webhook")}
+        ports = {k: kc.free_port() for k in ("metrics", "liveness", "webhook")}
         work = tmp_path / "operator"
         work.mkdir()
         op = _deployment_operator(kube, work, ports)
         assert op.env["KVBRIDGE_PEERING"] == "kvbridge"  # mandatory peering, chart's object
-        with kvbridge_cluster.FakeKubelet(kube.cluster.api_client(), {"node-a": {}}):
+        with kc.FakeKubelet(kube.cluster.api_client(), {"node-a": {}}):
             op.start()
             admin = Api(kube.cluster.api_client())
             agent = Api(kube.cluster.api_client(kube.token_kubeconfig(SERVING, "kvbridge-agent")))

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import yaml
 from chartlib import CHART, HelmError, by_kind, needs_helm, one, render, tool
-from kvbridge_prometheus import (
+
+from kvbridge_testkit.prometheus import (
     DASHBOARD,
     PromBinaries,
     PrometheusMissingError,

@@ -9,11 +9,12 @@ import re
 import uuid
 from collections.abc import Iterator
 
-import kvbridge_cluster as kc
 import pytest
-from kvb_e2e import Api, OperatorProcess, crd_cluster, deploy_operator, wait_for
+from kvb_e2e import Api, crd_cluster, deploy_operator, wait_for
 
 from kvbridge_operator.config import TRANSFERS
+from kvbridge_testkit import cluster as kc
+from kvbridge_testkit.operator_process import OperatorProcess
 
 #: Fake nodes: two zones, for the TopologyAware policy.
 NODES = {

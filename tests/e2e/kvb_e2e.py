@@ -1,18 +1,15 @@
-"""Helpers for the e2e tests: the operator as a separate process, API shortcuts, a fake agent.
+"""Helpers for the e2e tests: the operator installed as in production, API shortcuts, a fake
+agent.
 
-The operator runs the way it runs in a cluster: ``kopf run --all-namespaces -m
-kvbridge_operator.main`` in its own process, authenticated with a ServiceAccount token bound
-to ``hack/operator-rbac.yaml`` only, serving the admission webhook over loopback TLS.
+The operator runs the way it runs in a cluster (kvbridge_testkit.operator_process: ``kopf run
+--all-namespaces -m kvbridge_operator.main`` in its own process), authenticated with a
+ServiceAccount token bound to ``hack/operator-rbac.yaml`` only, serving the admission webhook
+over loopback TLS.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -24,6 +21,7 @@ from kubernetes.client.exceptions import ApiException
 
 from kvbridge_operator import testing as manifests
 from kvbridge_operator.config import ENDPOINTS, GROUP, TRANSFERS, VERSION
+from kvbridge_testkit.operator_process import OperatorProcess, loopback_settings
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -51,99 +49,6 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
         return resp.status, resp.read().decode()
 
 
-class OperatorProcess:
-    """``kopf run`` of kvbridge_operator in a child process; restartable."""
-
-    def __init__(self, kubeconfig: Path, workdir: Path, env: dict[str, str], ports: dict[str, int]):
-        self.kubeconfig = kubeconfig
-        self.workdir = workdir
-        self.env = env
-        self.ports = ports
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-        self.extra_args: list[str] = []
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
-
-    @property
-    def liveness_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports['liveness']}/healthz"
-
-    @property
-    def log_path(self) -> Path:
-        return self.workdir / f"operator-{self.starts}.log"
-
-    def start(self, timeout: float = 60.0) -> None:
-        self.starts += 1
-        env = {**os.environ, **self.env, "KUBECONFIG": str(self.kubeconfig)}
-        cmd = [sys.executable, "-m", "kopf", "run", "--all-namespaces",
-               f"--liveness={self.liveness_url}", *self.extra_args,
-               "-m", "kvbridge_operator.main"]  # fmt: skip
-        with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-
-        def alive() -> bool:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise AssertionError(f"operator exited:\n{self.log()[-4000:]}")
-            try:
-                if http_get(self.liveness_url)[0] != 200:
-                    return False
-                if "webhook" in self.ports:  # served a moment after liveness
-                    socket.create_connection(("127.0.0.1", self.ports["webhook"]), 1).close()
-                return True
-            except OSError:
-                return False
-
-        wait_for(alive, timeout=timeout, what="operator liveness (and webhook)")
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        self.proc = None
-
-    def kill(self) -> None:
-        """SIGKILL: the operator dies wherever it is (no cleanup handlers run)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-    def pause(self) -> None:
-        """SIGSTOP: frozen, its connections open but unread (a long GC pause, a stalled node)."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def logs(self) -> str:
-        """The logs of every start so far, in order."""
-        paths = (self.workdir / f"operator-{i}.log" for i in range(1, self.starts + 1))
-        return "".join(p.read_text(errors="replace") for p in paths if p.exists())
-
-    def metric(self, name: str) -> float:
-        """Sum of all samples of a metric family line prefix (e.g. kvbridge_reconciles_total)."""
-        _, text = http_get(self.metrics_url)
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name) and not line.startswith("#"):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
-
-
 OPERATOR_NS, OPERATOR_SA = "kvbridge-system", "kvbridge-operator"
 
 
@@ -152,8 +57,9 @@ def crd_cluster(nodes: Mapping[str, Mapping[str, str]], workdir: Path | None = N
                 ) -> Iterator[Any]:  # fmt: skip
     """A LocalCluster with kvbridge's CRDs established and fake ``nodes``, stopped after use.
     Missing binaries FAIL (CI must run these tests): ``bash hack/test-stack.sh ensure``."""
-    import kvbridge_cluster as kc
     import pytest
+
+    from kvbridge_testkit import cluster as kc
 
     try:
         binaries = kc.Binaries.find()
@@ -174,9 +80,8 @@ def deploy_operator(cluster: Any, workdir: Path, env: dict[str, str] | None = No
     over loopback TLS; start it (``env`` adds KVBRIDGE_* settings, ``extra_args`` kopf run
     options) and register the webhook. Shared by the e2e and fault fixtures and the
     benchmarks; the caller stops it."""
-    import kvbridge_cluster as kc
-
     from kvbridge_operator.webhook import self_signed_certificate, webhook_configuration
+    from kvbridge_testkit import cluster as kc
 
     k = cluster.kubectl
     k("create", "namespace", OPERATOR_NS)
@@ -190,18 +95,8 @@ def deploy_operator(cluster: Any, workdir: Path, env: dict[str, str] | None = No
     kubeconfig = cluster.kubeconfig_for_token(token, "operator")
     ports = {"metrics": kc.free_port(), "liveness": kc.free_port(), "webhook": kc.free_port()}
     cert, key = self_signed_certificate(workdir, ["127.0.0.1", "localhost"])
-    settings = {
-        "KVBRIDGE_METRICS_PORT": str(ports["metrics"]),
-        "KVBRIDGE_METRICS_ADDR": "127.0.0.1",
-        "KVBRIDGE_WEBHOOK_PORT": str(ports["webhook"]),
-        "KVBRIDGE_WEBHOOK_ADDR": "127.0.0.1",
-        "KVBRIDGE_WEBHOOK_HOST": "127.0.0.1",
-        "KVBRIDGE_WEBHOOK_CERT": str(cert),
-        "KVBRIDGE_WEBHOOK_KEY": str(key),
-        **(env or {}),
-    }
-    op = OperatorProcess(kubeconfig, workdir, settings, ports)
-    op.extra_args = list(extra_args)
+    settings = {**loopback_settings(ports, cert, key), **(env or {})}
+    op = OperatorProcess(kubeconfig, workdir, settings, ports, extra_args=extra_args)
     op.start()
     vwc = webhook_configuration(
         "kvbridge-validation", Path(cert).read_bytes(), url=f"https://127.0.0.1:{ports['webhook']}"

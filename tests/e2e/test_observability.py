@@ -25,11 +25,16 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import kvbridge_cluster as kc
 import pytest
 from kubernetes.client.exceptions import ApiException
-from kvb_e2e import Api, OperatorProcess, http_get, wait_for
-from kvbridge_prometheus import (
+from kvb_e2e import Api, http_get, wait_for
+from sim import SimPod, create_agent_rbac, handshakes_ok
+
+from kvbridge_operator import testing as manifests
+from kvbridge_operator.config import TRANSFERS
+from kvbridge_testkit import cluster as kc
+from kvbridge_testkit.operator_process import OperatorProcess
+from kvbridge_testkit.prometheus import (
     AGENT_JOB,
     FAST_ALERTS,
     JOBS,
@@ -45,10 +50,6 @@ from kvbridge_prometheus import (
     signal,
     substitute,
 )
-from sim import SimPod, create_agent_rbac, handshakes_ok
-
-from kvbridge_operator import testing as manifests
-from kvbridge_operator.config import TRANSFERS
 
 pytestmark = [pytest.mark.k8s, pytest.mark.nixl, pytest.mark.slow]
 

@@ -13,9 +13,10 @@ import random
 import kvb_load as L
 import pytest
 from kubernetes import client
-from kvb_e2e import Api, OperatorProcess, http_get, wait_for
+from kvb_e2e import Api, http_get, wait_for
 
 from kvbridge_operator.config import ENDPOINTS, TRANSFERS
+from kvbridge_testkit.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.k8s
 

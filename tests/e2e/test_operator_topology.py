@@ -7,10 +7,11 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from kvb_e2e import Api, OperatorProcess, wait_for
+from kvb_e2e import Api, wait_for
 
 from kvbridge_operator import testing as manifests
 from kvbridge_operator.config import ENDPOINTS
+from kvbridge_testkit.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.k8s
 
@@ -188,7 +189,7 @@ ZONE = "topology.kubernetes.io/zone"
 @pytest.fixture
 def node_c(cluster) -> Iterator[str]:
     """A third node, zone-b, served by its own fake kubelet; deleted afterwards."""
-    import kvbridge_cluster as kc
+    from kvbridge_testkit import cluster as kc
 
     name = f"node-c-{uuid.uuid4().hex[:5]}"
     with kc.FakeKubelet(cluster.api_client(), {name: {ZONE: "zone-b"}}):

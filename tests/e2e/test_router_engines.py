@@ -18,7 +18,6 @@ import logging
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,12 +28,12 @@ from typing import Any
 import pytest
 import vllm_pods as vp
 from kvb_e2e import Api, wait_for
-from kvbridge_cluster import free_port
 from sim import SimPod, create_agent_rbac, pod_bound_token
 from vllm_harness import vllm_python
 from vllm_servers import OpenAIServer, connector_config, start_servers
 
 from kvbridge_operator.config import TRANSFERS
+from kvbridge_testkit.cluster import free_port
 
 pytestmark = [pytest.mark.k8s, pytest.mark.nixl, pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.timeout(900)]  # fmt: skip
@@ -271,35 +270,17 @@ def test_a_client_leaving_before_its_decode_read_frees_the_prefills_blocks(
 def test_a_decode_killed_under_load_never_answers_wrong_tokens(api: Api,
                                                                serving: Serving) -> None:
     s = serving
-    stop = threading.Event()
-    results: list[tuple[str, Any]] = []
-
-    def client(offset: int) -> None:
-        prompts = list(s.references)
-        while not stop.is_set():
-            prompt = prompts[offset % len(prompts)]
-            offset += 1
-            try:
-                answer = vp.post(f"{s.router}/v1/completions", vp.completion(prompt, MAX_TOKENS))
-                results.append((prompt, answer["choices"][0]["token_ids"]))
-            except vp.EngineError as exc:
-                results.append((prompt, exc))
-
     retries_before = retried(s)
-    with ThreadPoolExecutor(4) as pool:
-        clients = [pool.submit(client, i) for i in range(4)]
-        wait_for(lambda: len(results) >= 8, timeout=120, what="requests flowing")
+    with vp.routed_load(s.router, list(s.references), MAX_TOKENS) as load:
+        wait_for(lambda: len(load.results) >= 8, timeout=120, what="requests flowing")
         s.engines["decode-1"].kill()
         s.pods["decode-1"].delete_pod()   # the pod gone: its KVEndpoint is collected
         wait_for(lambda: vp.get_json(f"{s.router}/health").get("verifiedPairs") == 1,
                  timeout=90, what="the router dropping the killed decode's pair")
-        settled = len(results)
-        wait_for(lambda: len(results) >= settled + 8, timeout=120, what="requests after it")
-        stop.set()
-        for c in clients:
-            c.result()
-    answered = [(p, t) for p, t in results if not isinstance(t, Exception)]
-    failed = [t for _, t in results if isinstance(t, Exception)]
+        settled = len(load.results)
+        wait_for(lambda: len(load.results) >= settled + 8, timeout=120,
+                 what="requests after it")  # fmt: skip
+    answered, failed = load.answered, load.failed
     log.info("decode-1 killed under load: %d answered, %d failed, %d retried on another pair",
              len(answered), len(failed), retried(s) - retries_before)
     assert [t for p, t in answered if t != s.references[p]] == []

@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from urllib.parse import urlparse
 
-import kvbridge_cluster as kc
 import pytest
 from faultlib import NS, Agents, TcpProxy
-from kvb_e2e import Api, OperatorProcess, crd_cluster, deploy_operator, wait_for
+from kvb_e2e import Api, crd_cluster, deploy_operator, wait_for
 from sim import create_agent_rbac, handshakes_ok
+
+from kvbridge_testkit import cluster as kc
+from kvbridge_testkit.operator_process import OperatorProcess
 
 NODES = {"node-a": {"topology.kubernetes.io/zone": "zone-a"}}
 

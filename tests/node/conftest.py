@@ -1,5 +1,5 @@
 """Fixtures for the real-node tests: one control plane and one kubelet node per session
-(hack/kvbridge_node.py), the chart installed from the locally built operator image, and a
+(kvbridge_testkit.node), the chart installed from the locally built operator image, and a
 prefill/decode pair of agent pods. Missing binaries or images FAIL the session: CI must run
 these (``make test`` builds them)."""
 
@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import kvbridge_cluster as kc
-import kvbridge_node as kn
 import pytest
 import yaml
 from chartlib import CHART, Kube
@@ -24,6 +22,8 @@ from nodelib import (
 )
 
 from kvbridge_operator import testing as manifests
+from kvbridge_testkit import cluster as kc
+from kvbridge_testkit import node as kn
 
 ZONE = {"topology.kubernetes.io/zone": "zone-a"}
 

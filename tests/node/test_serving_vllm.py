@@ -10,7 +10,6 @@ prefill pod deleted is replaced by its Deployment, preflighted again, and serves
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,26 +34,15 @@ REGIONS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 
 
 def role_pods(api: Api, role: str) -> list[Any]:
-    selector = f"app.kubernetes.io/name={T},kvbridge.io/role={role}"
-    return sorted((p for p in api.core.list_namespaced_pod(NS, label_selector=selector).items
-                   if p.metadata.deletion_timestamp is None
-                   and "kvbridge.io/variant" not in (p.metadata.labels or {})),
-                  key=lambda p: p.metadata.name)  # fmt: skip
+    return vp.role_pods(api.core, NS, role)
 
 
-def ready(pod: Any) -> bool:
-    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+def serving_pods(api: Api) -> dict[str, list[Any]] | None:
+    return vp.serving_pods(api.core, NS)
 
 
 def restarts(pod: Any) -> int:
     return sum(c.restart_count for c in pod.status.container_statuses or [])
-
-
-def serving_pods(api: Api) -> dict[str, list[Any]] | None:
-    """One prefill and two decode pods, all Ready; None until then."""
-    pods = {role: role_pods(api, role) for role in ("prefill", "decode")}
-    counts_ok = len(pods["prefill"]) == 1 and len(pods["decode"]) == 2
-    return pods if counts_ok and all(ready(p) for ps in pods.values() for p in ps) else None
 
 
 def preflighted_by(api: Api, decode: str, prefill: str) -> dict[str, Any] | None:
@@ -175,7 +163,7 @@ def test_incompatible_decode_is_refused_before_any_request(
     prefill = role_pods(api, "prefill")[0].metadata.name
     assert BAD not in {p["name"] for p in api.endpoint(NS, prefill)["status"].get("peers", [])}
     # It publishes while vLLM starts; its HTTP server answers once it is Ready.
-    pod = wait_for(lambda: (lambda p: p if ready(p) else None)(
+    pod = wait_for(lambda: (lambda p: p if vp.pod_ready(p) else None)(
         api.core.read_namespaced_pod(BAD, NS)), timeout=300, interval=2, what=f"{BAD} Ready")
     counters = vp.PullCounters.of(pod.status.pod_ip)
     assert counters.external_hit_tokens == 0 and counters.transfer_bytes == 0
@@ -253,7 +241,7 @@ def test_deleted_prefill_is_replaced_preflighted_and_serves(
 
     def replacement() -> Any:
         pods = [p for p in role_pods(api, "prefill") if p.metadata.name != old.metadata.name]
-        return pods[0] if pods and ready(pods[0]) else None
+        return pods[0] if pods and vp.pod_ready(pods[0]) else None
 
     new = wait_for(replacement, timeout=300, interval=2, what="a new prefill pod Ready")
     new_epoch = wait_for(lambda: api.endpoint(NS, new.metadata.name)["spec"]["epoch"],
@@ -274,35 +262,17 @@ def test_deleted_prefill_is_replaced_preflighted_and_serves(
 
 def test_decode_deleted_under_load_never_answers_wrong_tokens(
         api: Api, router: str, references: dict[str, list[int]]) -> None:
-    stop = threading.Event()
-    results: list[tuple[str, Any]] = []
-
-    def client(offset: int) -> None:
-        prompts = list(references)
-        while not stop.is_set():
-            prompt = prompts[offset % len(prompts)]
-            offset += 1
-            try:
-                answer = vp.routed_complete(router, prompt, MAX_TOKENS)
-                results.append((prompt, answer["choices"][0]["token_ids"]))
-            except vp.EngineError as exc:
-                results.append((prompt, exc))
-
     retries_before = sum(n for _, n in vp.router_series(router, "kvbridge_router_retries_total"))
     victim = role_pods(api, "decode")[0]
-    with ThreadPoolExecutor(4) as pool:
-        clients = [pool.submit(client, i) for i in range(4)]
-        wait_for(lambda: len(results) >= 8, timeout=120, what="requests flowing")
+    with vp.routed_load(router, list(references), MAX_TOKENS) as load:
+        wait_for(lambda: len(load.results) >= 8, timeout=120, what="requests flowing")
         api.core.delete_namespaced_pod(victim.metadata.name, NS, grace_period_seconds=0)
         wait_for(lambda: vp.get_json(f"{router}/health").get("verifiedPairs") == 1,
                  timeout=60, what="the router dropping the deleted decode's pair")
-        settled = len(results)
-        wait_for(lambda: len(results) >= settled + 8, timeout=120, what="requests after it")
-        stop.set()
-        for c in clients:
-            c.result()
-    answered = [(p, t) for p, t in results if not isinstance(t, Exception)]
-    failed = [t for _, t in results if isinstance(t, Exception)]
+        settled = len(load.results)
+        wait_for(lambda: len(load.results) >= settled + 8, timeout=120,
+                 what="requests after it")  # fmt: skip
+    answered, failed = load.answered, load.failed
     retries = sum(n for _, n in vp.router_series(router, "kvbridge_router_retries_total")) \
         - retries_before
     log.info("decode %s deleted under load: %d answered, %d failed, %d retried on another "

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbridge_cluster import free_port
+from kvbridge_testkit.cluster import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_SCRIPT = Path(__file__).resolve().with_name("vllm_engine.py")

@@ -6,7 +6,7 @@ ports, with a temporary data directory, an admin token, RBAC authorization and s
 signing keys, and writes an admin kubeconfig. ``FakeKubelet`` plays the node: it registers
 Ready Nodes, binds Pending pods, marks them Running/Ready with a podIP and finishes pod
 deletion. With ``real_nodes=True`` it also runs kube-scheduler and serves real kubelets
-(``hack/kvbridge_node.py``): ServiceAccount admission with pod-bound tokens, the ``kubernetes``
+(:mod:`kvbridge_testkit.node`): ServiceAccount admission with pod-bound tokens, the ``kubernetes``
 Service's endpoints, and the endpoint, root-CA and node-lifecycle controllers. Binaries come
 from ``hack/test-stack.sh ensure``.
 
@@ -15,7 +15,7 @@ Threads: ``FakeKubelet`` runs one daemon thread with a pod watch (reconnecting o
 
 CLI (for a demo or by hand)::
 
-    python hack/kvbridge_cluster.py up      # prints KUBECONFIG=..., Ctrl-C tears down
+    python -m kvbridge_testkit.cluster up      # prints KUBECONFIG=..., Ctrl-C tears down
 """
 
 from __future__ import annotations
@@ -39,11 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbridge_testkit import HACK
+
 KUBE_VERSION = "v1.20.2"
 CACHE = Path(os.environ.get("KVB_CACHE", "/var/cache/kvbridge"))
-HACK_DIR = Path(__file__).resolve().parent
 ENSURE_HINT = (
-    f"run `bash {HACK_DIR / 'test-stack.sh'} ensure` as root first (builds Kubernetes "
+    f"run `bash {HACK / 'test-stack.sh'} ensure` as root first (builds Kubernetes "
     f"{KUBE_VERSION}'s control plane, kubelet and kube-proxy once, ~8 minutes, installs the "
     f"node's containerd, and fetches kubectl/helm)"
 )
@@ -149,7 +150,7 @@ class LocalCluster:
     )
     #: Address the apiserver binds and advertises; a real node needs one its pods can reach.
     address: str = "127.0.0.1"
-    #: Serve real kubelets (hack/kvbridge_node.py): kube-scheduler, the ServiceAccount admission
+    #: Serve real kubelets (kvbridge_testkit.node): kube-scheduler, the ServiceAccount admission
     #: plugin with pod-bound projected tokens, the ``kubernetes`` Service's endpoints, and the
     #: endpoint and root-CA controllers. Off, pods are played by ``FakeKubelet``.
     real_nodes: bool = False

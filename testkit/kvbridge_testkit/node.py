@@ -8,7 +8,7 @@ its sysctls: the kubelet is built not to rewrite kernel tunables (hack/test-stac
 kube-proxy is told not to touch conntrack limits. Only loopback-like addresses on this machine
 are used: pods, Services and the link live in ranges that exist nowhere else.
 
-The control plane is ``kvbridge_cluster.LocalCluster(real_nodes=True, address=HOST_IP)``: the
+The control plane is ``cluster.LocalCluster(real_nodes=True, address=HOST_IP)``: the
 apiserver listens on the host end of the link, which pods reach through the node's default
 route, and it reaches webhooks through Service IPs routed into the node, where kube-proxy
 translates them (with ``--masquerade-all``, so replies return through the node without the
@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbridge_cluster import (
+from kvbridge_testkit import HACK
+from kvbridge_testkit.cluster import (
     CACHE,
     ENSURE_HINT,
     KUBE_VERSION,
@@ -80,7 +81,7 @@ POD_LOGS = Path("/var/log/pods")
 CONTAINER_LOGS = Path("/var/log/containers")
 
 
-IMAGES_SCRIPT = Path(__file__).resolve().parent / "node-images.sh"
+IMAGES_SCRIPT = HACK / "node-images.sh"
 
 
 class ImagesMissingError(RuntimeError):

@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from kvbridge_cluster import free_port, terminate
 
-REPO = Path(__file__).resolve().parents[1]
+from kvbridge_testkit import REPO
+from kvbridge_testkit.cluster import free_port, terminate
+
 CHART = REPO / "charts" / "kvbridge"
 DASHBOARD = CHART / "dashboards" / "kvbridge.json"
 RULES_TEMPLATE = "templates/prometheusrule.yaml"
