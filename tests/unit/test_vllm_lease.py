@@ -54,18 +54,38 @@ def test_decide_read_declines_within_margin_plus_clock_error() -> None:
 
 
 def test_a_read_ends_while_the_prefill_holds_the_blocks() -> None:
-    # The read-start heartbeat holds the blocks until now + 20; the read must end 2.5 s
-    # before that, and within the transfer timeout.
+    # Plenty of lease left: no heartbeat; the read must end 2.5 s before the deadline.
     d = decide_read(90.0, 100.0, margin_s=2.0, clock_error_s=0.5, extension_s=20.0,
                     transfer_timeout_s=30.0)
-    assert d.read and d.timeout_s == pytest.approx(17.5)
+    assert d.read and not d.heartbeat and d.timeout_s == pytest.approx(7.5)
     d = decide_read(90.0, 100.0, margin_s=2.0, clock_error_s=0.5, extension_s=20.0,
                     transfer_timeout_s=5.0)
-    assert d.timeout_s == 5.0
-    # Extension unknown: only the stated deadline counts.
-    d = decide_read(90.0, 100.0, margin_s=2.0, clock_error_s=0.5, extension_s=None,
+    assert not d.heartbeat and d.timeout_s == 5.0
+    # 3 s left (0.5 s after the guard): a heartbeat first holds the blocks until now + 20,
+    # and the read may take until 2.5 s before that.
+    d = decide_read(97.0, 100.0, margin_s=2.0, clock_error_s=0.5, extension_s=20.0,
                     transfer_timeout_s=30.0)
-    assert d.timeout_s == pytest.approx(7.5)
+    assert d.read and d.heartbeat and d.timeout_s == pytest.approx(17.5)
+    # Extension unknown: no heartbeat would help; only the stated deadline counts.
+    d = decide_read(97.0, 100.0, margin_s=2.0, clock_error_s=0.5, extension_s=None,
+                    transfer_timeout_s=30.0)
+    assert not d.heartbeat and d.timeout_s == pytest.approx(0.5)
+
+
+@given(now=st.floats(0, 200), deadline=st.floats(0, 200), margin=st.floats(0, 5),
+       error=st.floats(0, 1), ext=st.one_of(st.none(), st.floats(0.1, 60)),
+       timeout=st.floats(0.1, 60))
+def test_every_read_ends_a_guard_before_the_prefill_may_free(
+        now: float, deadline: float, margin: float, error: float, ext: float | None,
+        timeout: float) -> None:
+    d = decide_read(now, deadline, margin_s=margin, clock_error_s=error, extension_s=ext,
+                    transfer_timeout_s=timeout)
+    if not d.read:
+        assert deadline - now <= margin + error
+        return
+    held = max(deadline, now + ext) if d.heartbeat and ext else deadline
+    assert 0 < d.timeout_s <= timeout
+    assert now + d.timeout_s <= held - (margin + error) + 1e-9
 
 
 def test_heartbeat_log_keeps_send_times_until_taken_and_is_bounded() -> None:

@@ -18,6 +18,7 @@ __all__ = [
     "DEFAULT_LEASE_MARGIN_S",
     "EXPIRY_KEY",
     "EXTENSION_KEY",
+    "READ_ALLOWANCE_S",
     "HeartbeatLog",
     "ReadDecision",
     "decide_read",
@@ -48,29 +49,39 @@ def read_deadline(stated: float, heartbeats: Sequence[float], extension_s: float
     return deadline
 
 
+#: A read with at least this long (or its whole transfer timeout, if shorter) before the
+#: deadline needs no heartbeat first: healthy reads take milliseconds.
+READ_ALLOWANCE_S = 5.0
+
+
 @dataclass(frozen=True)
 class ReadDecision:
-    """Whether to read, the seconds left before the deadline, and the read's own deadline
-    (seconds from now): the read must end while the prefill still holds the blocks."""
+    """Whether to read; the seconds left before the deadline; the read's own deadline
+    (seconds from now), which ends while the prefill still holds the blocks; and whether a
+    heartbeat must precede the read to make the prefill hold them that long."""
 
     read: bool
     left_s: float
     timeout_s: float
+    heartbeat: bool = False
 
 
 def decide_read(now: float, deadline: float, *, margin_s: float, clock_error_s: float,
                 extension_s: float | None, transfer_timeout_s: float) -> ReadDecision:  # fmt: skip
-    """Read only if ``now`` is more than ``margin_s + clock_error_s`` before ``deadline``.
-    The read is preceded by a heartbeat, so the prefill holds the blocks until
-    ``now + extension_s`` at least; the read must end ``margin_s + clock_error_s`` before
-    that (or before ``deadline`` when the extension is unknown), and within
-    ``transfer_timeout_s``."""
+    """Read only if ``now`` is more than ``margin_s + clock_error_s`` (the guard) before
+    ``deadline``. The read must end a guard before the prefill may free the blocks and
+    within ``transfer_timeout_s``. When the deadline leaves it less than
+    ``READ_ALLOWANCE_S`` (or than its transfer timeout, if shorter), a heartbeat goes first,
+    so the prefill holds the blocks until ``now + extension_s`` at least."""
     guard = margin_s + clock_error_s
     left = deadline - now
     if left <= guard:
         return ReadDecision(False, left, 0.0)
-    held_until = max(deadline, now + extension_s) if extension_s else deadline
-    return ReadDecision(True, left, min(transfer_timeout_s, held_until - now - guard))
+    budget = left - guard
+    if budget >= min(transfer_timeout_s, READ_ALLOWANCE_S) or not extension_s:
+        return ReadDecision(True, left, min(transfer_timeout_s, budget))
+    held = max(budget, extension_s - guard)
+    return ReadDecision(True, left, min(transfer_timeout_s, held), heartbeat=held > budget)
 
 
 class HeartbeatLog:

@@ -47,7 +47,13 @@ from ..resources import HANDSHAKE_TIMEOUT_S, ROLES, TRANSFER_TIMEOUT_S
 from ..service import AgentService, AgentSettings, EngineInfo, PeerRef
 from ._facts import UnsupportedVllmSettingError, VllmEngineFacts, read_engine_facts
 from ._layers import LayerCache, layer_views
-from ._lease import DEFAULT_LEASE_MARGIN_S, HeartbeatLog, decide_read, read_deadline
+from ._lease import (
+    DEFAULT_LEASE_MARGIN_S,
+    HeartbeatLog,
+    ReadDecision,
+    decide_read,
+    read_deadline,
+)
 from ._scheduler import LEASE_EXTENSIONS_ATTR
 
 if TYPE_CHECKING:
@@ -256,21 +262,22 @@ class KVBridgeWorker:
         sent = self._heartbeats.take(remote.engine_id, remote.request_id)
         timeout = None
         if remote.blocks_expiry_time is not None and any(meta.local_block_ids):
-            timeout = self._lease_timeout(req_id, meta, extension, sent)
-            if timeout is None:
+            decision = self._lease_decision(req_id, meta, extension, sent)
+            if decision is None:
                 return
-            # A heartbeat before the read: the prefill holds the blocks until it ends.
-            svc.send_heartbeat(remote.engine_id, [remote.request_id])
+            if decision.heartbeat:   # the prefill then holds the blocks until the read ends
+                svc.send_heartbeat(remote.engine_id, [remote.request_id])
+            timeout = decision.timeout_s
         svc.start_pull(
             req_id, remote.engine_id, meta.local_block_ids, remote.block_ids,
             remote_request_id=remote.request_id,
             num_computed_blocks=list(meta.local_num_computed_blocks) or None,
             remote_num_tokens=remote.num_tokens, timeout_s=timeout)
 
-    def _lease_timeout(self, req_id: str, meta: ReqMeta, extension: float | None,
-                       heartbeats: list[float]) -> float | None:  # fmt: skip
-        """The read's deadline (seconds) when the prefill's lease leaves time for it; None
-        after declining the read (the request fails, and its load-failure policy applies)."""
+    def _lease_decision(self, req_id: str, meta: ReqMeta, extension: float | None,
+                        heartbeats: list[float]) -> ReadDecision | None:  # fmt: skip
+        """How to read when the prefill's lease leaves time for it; None after declining
+        the read (the request fails, and its load-failure policy applies)."""
         remote = meta.remote
         assert remote is not None and remote.blocks_expiry_time is not None
         clock = self._svc().clock_offset(remote.engine_id)
@@ -284,7 +291,7 @@ class KVBridgeWorker:
                                    clock_error_s=clock.error_s, extension_s=extension,
                                    transfer_timeout_s=self.transfer_timeout_s)
             if decision.read:
-                return decision.timeout_s
+                return decision
             left = decision.left_s
             why = (f"{left:.3f} s of its lease left, under the margin of "
                    f"{self.lease_margin_s + clock.error_s:.3f} s (kvbridge_lease_margin_s "
