@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import EngineProcess, pd_generate, start_engines, write_model
+from vllm_harness import EngineProcess, pd_generate, running, write_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.nixl, pytest.mark.vllm]
 
@@ -63,12 +63,8 @@ def engines(request: pytest.FixtureRequest, vllm_py: str, engine_logs: Path,
         ("decode", "stock"): engine("d-stock", "stock", "kv_consumer"),
         ("decode", "kvbridge"): engine("d-kvb", "kvbridge", kvb_d),
     }
-    try:
-        start_engines(*made.values())
+    with running(made):
         yield {"kind": kind, **made}
-    finally:
-        for e in made.values():
-            e.stop()
 
 
 def prompts_for(seed: int) -> list[list[int]]:

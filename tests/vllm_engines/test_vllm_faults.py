@@ -8,28 +8,17 @@ requests normally, through a fresh handshake with whatever engine serves there n
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import EngineProcess, pd_generate, start_engines
+from vllm_harness import EngineProcess, RandomPrompts, pd_generate, received_ok, running
 
 pytestmark = [pytest.mark.slow, pytest.mark.nixl, pytest.mark.vllm]
 
 MAX_TOKENS = 6
 EXTRA = {"kvbridge_transfer_timeout_s": 10}   # a dead peer that never answers fails in 10 s
-
-
-class Prompts:
-    """Fresh random prompts of several blocks (no prefix hits between them)."""
-
-    def __init__(self, seed: int) -> None:
-        self.rng = random.Random(seed)
-
-    def __call__(self) -> list[int]:
-        return [self.rng.randrange(3, 500) for _ in range(150)]
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +36,8 @@ def cluster_of_engines(vllm_py: str, engine_logs: Path, llama_model: Path
                               kv_role="kv_consumer", engine_id="f-d-fail",
                               load_failure_policy="fail", extra_config=EXTRA),
     }
-    try:
-        start_engines(*made.values())
+    with running(made):
         yield made
-    finally:
-        for e in made.values():
-            e.stop()
 
 
 def restart_prefill(engines: dict[str, Any], engine_logs: Path, llama_model: Path,
@@ -71,13 +56,9 @@ def reference(engines: dict[str, Any], prompt: list[int]) -> list[int]:
     return engines["ref"].generate([prompt], MAX_TOKENS)[0]["token_ids"]
 
 
-def pulled_ok(decode: EngineProcess) -> list[bool]:
-    return [not t["failed"] for t in decode.call({"cmd": "transfers"})["transfers"]]
-
-
 def test_prefill_killed_then_restarted(cluster_of_engines: dict[str, Any], engine_logs: Path,
                                        llama_model: Path) -> None:
-    engines, prompt = cluster_of_engines, Prompts(5)
+    engines, prompt = cluster_of_engines, RandomPrompts(5)
     rec, fail = engines["recompute"], engines["fail"]
 
     # Healthy: both decoders pull from the prefill (and so hold its NIXL agent loaded).
@@ -85,7 +66,7 @@ def test_prefill_killed_then_restarted(cluster_of_engines: dict[str, Any], engin
         p = prompt()
         assert pd_generate(engines["prefill"], decode, [p], MAX_TOKENS)[0].token_ids == \
             reference(engines, p)
-        assert pulled_ok(decode) == [True]
+        assert received_ok(decode) == [True]
 
     # The prefill hands out its blocks, then dies before the decoders read them.
     p_rec, p_fail = prompt(), prompt()
@@ -96,11 +77,11 @@ def test_prefill_killed_then_restarted(cluster_of_engines: dict[str, Any], engin
 
     out = rec.generate([p_rec], MAX_TOKENS, [params[0]])[0]
     assert out["token_ids"] == reference(engines, p_rec), "recompute policy: one engine's tokens"
-    assert pulled_ok(rec) == [False]
+    assert received_ok(rec) == [False]
     out = fail.generate([p_fail], MAX_TOKENS, [params[1]])[0]
     assert out["finish_reason"] not in ("length", "stop") and \
         len(out["token_ids"]) < MAX_TOKENS, f"fail policy: an error, not tokens: {out}"
-    assert pulled_ok(fail) == [False]
+    assert received_ok(fail) == [False]
 
     # A new prefill process under the same engine id and port: the failed read dropped the
     # dead peer, so the next request handshakes with the new agent and pulls.
@@ -109,7 +90,7 @@ def test_prefill_killed_then_restarted(cluster_of_engines: dict[str, Any], engin
         p = prompt()
         assert pd_generate(engines["prefill"], decode, [p], MAX_TOKENS)[0].token_ids == \
             reference(engines, p)
-        assert pulled_ok(decode) == [True]
+        assert received_ok(decode) == [True]
 
     # Restarted again while both decoders still hold the previous agent (nothing failed in
     # between): the first read meets the stale agent and fails typed, never with wrong KV;
@@ -118,12 +99,12 @@ def test_prefill_killed_then_restarted(cluster_of_engines: dict[str, Any], engin
     p = prompt()
     assert pd_generate(engines["prefill"], rec, [p], MAX_TOKENS)[0].token_ids == \
         reference(engines, p)
-    pulled_ok(rec)
+    received_ok(rec)
     for decode in (rec, fail):
         for _ in range(2):   # fail: the first may end in an error (its stale read)
             p = prompt()
             out = pd_generate(engines["prefill"], decode, [p], MAX_TOKENS)[0]
-            ok = pulled_ok(decode)
+            ok = received_ok(decode)
             if ok == [True]:
                 break
         assert ok == [True], f"{decode.name} does not pull again after the restart"

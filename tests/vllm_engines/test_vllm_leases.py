@@ -12,14 +12,13 @@ prefill frees an expired request's blocks at its next ``generate``."""
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import EngineProcess, start_engines
+from vllm_harness import EngineProcess, RandomPrompts, received_ok, running
 
 pytestmark = [pytest.mark.slow, pytest.mark.nixl, pytest.mark.vllm]
 
@@ -30,16 +29,6 @@ MAX_TOKENS = 6
 PREFILL = {"kv_lease_duration": LEASE_S}
 DECODE = {"kv_lease_duration": LEASE_S, "kvbridge_lease_margin_s": MARGIN_S,
           "kvbridge_transfer_timeout_s": 10}
-
-
-class Prompts:
-    """Fresh random prompts (no prefix hits between them)."""
-
-    def __init__(self, seed: int) -> None:
-        self.rng = random.Random(seed)
-
-    def __call__(self, n: int = 150) -> list[int]:
-        return [self.rng.randrange(3, 500) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +49,8 @@ def engines(vllm_py: str, engine_logs: Path, llama_model: Path) -> Iterator[dict
         "d-kvbridge-fail": engine("d-kvbridge-fail", "kvbridge", "kv_consumer", "fail"),
         "d-stock": engine("d-stock", "stock", "kv_consumer"),
     }
-    try:
-        start_engines(*made.values())
+    with running(made):
         yield made
-    finally:
-        for e in made.values():
-            e.stop()
 
 
 def reference(engines: dict[str, Any], prompts: list[list[int]]) -> list[list[int]]:
@@ -79,7 +64,7 @@ def hand_out(prefill: EngineProcess, prompts: list[list[int]]) -> list[dict[str,
             for o in outs]
 
 
-def reuse_pool(prefill: EngineProcess, prompt: Prompts) -> None:
+def reuse_pool(prefill: EngineProcess, prompt: RandomPrompts) -> None:
     """Expired leases are freed at the first step; three 1,000-token prompts (32 blocks
     each, of 40) then overwrite the freed blocks."""
     for _ in range(3):
@@ -90,11 +75,8 @@ def declined(decode: EngineProcess) -> float:
     return float(decode.call({"cmd": "connector_state"})["late_reads_declined"])
 
 
-def pulled_ok(decode: EngineProcess) -> list[bool]:
-    return [not t["failed"] for t in decode.call({"cmd": "transfers"})["transfers"]]
 
-
-def late_read(engines: dict[str, Any], prefill: str, decode: str, prompt: Prompts
+def late_read(engines: dict[str, Any], prefill: str, decode: str, prompt: RandomPrompts
               ) -> tuple[dict[str, Any], list[int]]:  # fmt: skip
     """A decode request that arrives after the lease ran out and the pool was reused."""
     p = prompt()
@@ -107,17 +89,17 @@ def late_read(engines: dict[str, Any], prefill: str, decode: str, prompt: Prompt
 
 def test_kvbridge_prefill_states_its_deadline(engines: dict[str, Any]) -> None:
     before = time.perf_counter()
-    params = hand_out(engines["p-kvbridge"], [Prompts(1)()])[0]
+    params = hand_out(engines["p-kvbridge"], [RandomPrompts(1)()])[0]
     after = time.perf_counter()
     # The harness's processes share this host's CLOCK_MONOTONIC (perf_counter).
     assert before + LEASE_S <= params["remote_blocks_expiry_time"] <= after + LEASE_S
     assert params["kvbridge_lease_extension_s"] == pytest.approx(LEASE_S * 2 / 3)
-    stock = hand_out(engines["p-stock"], [Prompts(2)()])[0]
+    stock = hand_out(engines["p-stock"], [RandomPrompts(2)()])[0]
     assert stock["remote_blocks_expiry_time"] is None, "stock vLLM 0.30.0 states none"
 
 
 def test_late_read_after_pool_reuse(engines: dict[str, Any]) -> None:
-    prompt = Prompts(11)
+    prompt = RandomPrompts(11)
     # The hazard, stock to stock: the decode reads reused blocks and reports success.
     out, ref = late_read(engines, "p-stock", "d-stock", prompt)
     stock_wrong = out["token_ids"] != ref
@@ -128,7 +110,7 @@ def test_late_read_after_pool_reuse(engines: dict[str, Any]) -> None:
     n = declined(engines["d-kvbridge"])
     out, ref = late_read(engines, "p-kvbridge", "d-kvbridge", prompt)
     assert out["token_ids"] == ref, "recompute after a declined read: one engine's tokens"
-    assert pulled_ok(engines["d-kvbridge"]) == [False]
+    assert received_ok(engines["d-kvbridge"]) == [False]
     assert declined(engines["d-kvbridge"]) == n + 1
 
     # kvbridge to kvbridge, fail: a clean error, never tokens.
@@ -136,7 +118,7 @@ def test_late_read_after_pool_reuse(engines: dict[str, Any]) -> None:
     out, ref = late_read(engines, "p-kvbridge", "d-kvbridge-fail", prompt)
     assert out["finish_reason"] not in ("length", "stop") and \
         len(out["token_ids"]) < MAX_TOKENS, f"fail policy: an error, not tokens: {out}"
-    assert pulled_ok(engines["d-kvbridge-fail"]) == [False]
+    assert received_ok(engines["d-kvbridge-fail"]) == [False]
     assert declined(engines["d-kvbridge-fail"]) == n + 1
 
     # Mixed pairings behave as stock vLLM does: nothing to check against, or no check.
@@ -152,8 +134,8 @@ def test_late_read_after_pool_reuse(engines: dict[str, Any]) -> None:
 
 def test_read_just_inside_the_lease_pulls_and_just_outside_declines(
         engines: dict[str, Any]) -> None:
-    prompt, decode = Prompts(21), engines["d-kvbridge"]
-    pulled_ok(decode)   # forget earlier tests' receives
+    prompt, decode = RandomPrompts(21), engines["d-kvbridge"]
+    received_ok(decode)   # forget earlier tests' receives
     n = declined(decode)
     # 3 s of the 6 s lease left when the request is sent: above the 1 s margin.
     p = prompt()
@@ -162,7 +144,7 @@ def test_read_just_inside_the_lease_pulls_and_just_outside_declines(
     time.sleep(max(0.0, sent_at - time.perf_counter()))
     out = decode.generate([p], MAX_TOKENS, params)[0]
     assert out["token_ids"] == reference(engines, [p])[0]
-    assert pulled_ok(decode) == [True], "a read inside the lease is not refused"
+    assert received_ok(decode) == [True], "a read inside the lease is not refused"
     assert declined(decode) == n
     # 0.5 s left: under the margin, declined although the idle prefill still holds them.
     p = prompt()
@@ -170,23 +152,23 @@ def test_read_just_inside_the_lease_pulls_and_just_outside_declines(
     time.sleep(max(0.0, params[0]["remote_blocks_expiry_time"] - 0.5 - time.perf_counter()))
     out = decode.generate([p], MAX_TOKENS, params)[0]
     assert out["token_ids"] == reference(engines, [p])[0]
-    assert pulled_ok(decode) == [False]
+    assert received_ok(decode) == [False]
     assert declined(decode) == n + 1
 
 
 def test_overloaded_prefill_never_yields_wrong_tokens(engines: dict[str, Any]) -> None:
     """16 prompts of 5 blocks (80 blocks) on a 40-block prefill: later prompts wait until
     the leases of earlier, unread ones run out, and take their blocks."""
-    prompt, decode = Prompts(31), engines["d-kvbridge"]
+    prompt, decode = RandomPrompts(31), engines["d-kvbridge"]
     prompts = [prompt() for _ in range(16)]
     refs = reference(engines, prompts)
-    pulled_ok(decode)   # forget earlier tests' receives
+    received_ok(decode)   # forget earlier tests' receives
     n = declined(decode)
     started = time.perf_counter()
     params = hand_out(engines["p-kvbridge"], prompts)
     prefill_s = time.perf_counter() - started
     outs = decode.generate(prompts, MAX_TOKENS, params)
-    ok = pulled_ok(decode)
+    ok = received_ok(decode)
     wrong = sum(o["token_ids"] != r for o, r in zip(outs, refs, strict=True))
     late = declined(decode) - n
     print(f"overloaded prefill: {prefill_s:.1f} s for 16 prompts; {late:.0f} reads declined, "

@@ -17,11 +17,13 @@ import functools
 import json
 import os
 import queue
+import random
 import signal
 import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -277,6 +279,32 @@ def start_engines(*engines: EngineProcess) -> None:
         engine.start(wait=False)
     for engine in engines:
         engine.wait_ready()
+
+
+@contextlib.contextmanager
+def running(engines: dict[Any, EngineProcess]) -> Iterator[dict[Any, EngineProcess]]:
+    """``engines`` started at once, stopped when the block ends (a module fixture's body)."""
+    try:
+        start_engines(*engines.values())
+        yield engines
+    finally:
+        for engine in engines.values():
+            engine.stop()
+
+
+class RandomPrompts:
+    """Fresh random prompts, ``n`` tokens each (no prefix hits between them), seeded."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def __call__(self, n: int = 150) -> list[int]:
+        return [self.rng.randrange(3, 500) for _ in range(n)]
+
+
+def received_ok(decode: EngineProcess) -> list[bool]:
+    """Per receive that ended since the last call: True if it succeeded (forgets them)."""
+    return [not t["failed"] for t in decode.call({"cmd": "transfers"})["transfers"]]
 
 
 @dataclass
