@@ -271,3 +271,33 @@ def routed_load(router: str, prompts: Sequence[str], max_tokens: int, clients: i
             stop.set()   # also when the block fails: the clients never outlive it
         for f in futures:
             f.result()
+
+
+def check_openai_client(router: str, prompt: str, reference: list[int], max_tokens: int
+                        ) -> None:  # fmt: skip
+    """The official ``openai`` client through the router: the model list, a completion
+    equal to ``reference`` (greedy token ids), the same completion streamed, and a chat
+    answer whole and streamed. Raises AssertionError on the first difference."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{router}/v1", api_key="unused", max_retries=0)
+    models = [m.id for m in client.models.list().data]
+    assert models == [MODEL], models
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                     temperature=0, extra_body=extra)
+    got = done.choices[0].token_ids  # type: ignore[attr-defined]
+    assert got == reference, (got, reference)
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                       temperature=0, stream=True, extra_body=extra)
+    streamed = "".join(c.choices[0].text for c in stream if c.choices)
+    assert streamed == done.choices[0].text, (streamed, done.choices[0].text)
+    chat = [{"role": "user", "content": prompt}]
+    answer = client.chat.completions.create(model=MODEL, messages=chat, temperature=0,
+                                            max_tokens=max_tokens, extra_body=extra)
+    pieces = client.chat.completions.create(model=MODEL, messages=chat, temperature=0,
+                                            max_tokens=max_tokens, stream=True,
+                                            extra_body=extra)  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
+    assert answer.choices[0].message.content == text, (answer.choices[0].message.content, text)
+    assert answer.usage is not None and answer.usage.completion_tokens == max_tokens, answer.usage

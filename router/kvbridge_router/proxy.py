@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,7 +246,7 @@ class Router:
             try:
                 if resp.content_type != SSE:
                     return await self._answer(resp, pair, started)
-                first = await self._first_chunk(resp, engine)
+                first = await self._decode_bytes(resp, engine, resp.content.readany)
                 m.TTFT_SECONDS.observe(time.monotonic() - started)
                 return await self._relay(request, resp, first, pair)
             finally:
@@ -258,30 +258,26 @@ class Router:
                       ) -> web.Response:  # fmt: skip
         """A whole (non-streaming) answer, sent in one piece; until it is complete nothing
         reached the client, so a decode failing before then costs a retry, not an error."""
-        try:
-            raw = await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamError("decode", f"decode {pair.decode.engine_id}: "
-                                f"{type(exc).__name__}: {exc}") from exc
-        if resp.status >= 500 or not raw:
-            raise UpstreamError("decode", f"decode answered HTTP {resp.status}: "
-                                f"{raw[:300].decode(errors='replace')}")
+        raw = await self._decode_bytes(resp, pair.decode, resp.read)
         m.TTFT_SECONDS.observe(time.monotonic() - started)
         out = web.Response(status=resp.status, body=raw,
                            headers={"Content-Type": resp.headers.get("Content-Type", "")})
         return self._count(out, "answered" if resp.status < 400 else "rejected", pair)
 
     @staticmethod
-    async def _first_chunk(resp: aiohttp.ClientResponse, engine: Engine) -> bytes:
+    async def _decode_bytes(resp: aiohttp.ClientResponse, engine: Engine,
+                            read: Callable[[], Awaitable[bytes]]) -> bytes:  # fmt: skip
+        """The decode's first bytes (``read``: its first chunk, or its whole answer); a
+        connection error, a 5xx or nothing at all is an :class:`UpstreamError` (retried)."""
         try:
-            first = await resp.content.readany()
+            data = await read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise UpstreamError("decode", f"decode {engine.engine_id}: "
                                 f"{type(exc).__name__}: {exc}") from exc
-        if resp.status >= 500 or not first:
+        if resp.status >= 500 or not data:
             raise UpstreamError("decode", f"decode answered HTTP {resp.status}: "
-                                f"{first[:300].decode(errors='replace')}")
-        return first
+                                f"{data[:300].decode(errors='replace')}")
+        return data
 
     async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, first: bytes,
                      pair: Pair) -> web.StreamResponse:  # fmt: skip

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from kvb_e2e import Api, wait_for
 from sim import SimPod, create_agent_rbac, pod_bound_token
-from vllm_harness import EngineProcess, pd_generate, start_engines, vllm_python, write_model
+from vllm_harness import EngineProcess, pd_generate, running, vllm_python, write_model
 
 from kvbridge_operator.config import ENDPOINTS
 
@@ -46,12 +46,8 @@ def engine_pods(cluster: Any, api: Api, ns: str, tmp_path: Path) -> Iterator[dic
                  "NODE_NAME": pod.node, "POD_IP": "127.0.0.1", "KUBECONFIG": str(kubeconfig),
                  "KVBRIDGE_TRANSFER": "kvt", "KVBRIDGE_ROLE": role,
                  "KVBRIDGE_SYNC_INTERVAL_S": "0.5"})
-    try:
-        start_engines(*engines.values())
+    with running(engines):
         yield engines
-    finally:
-        for e in engines.values():
-            e.stop()
 
 
 def test_vllm_engines_as_pods_pair_preflight_and_serve(api: Api, ns: str,
