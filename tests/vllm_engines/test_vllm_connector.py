@@ -23,21 +23,26 @@ the control pair's tokens for it change from run to run (no block is transferred
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import EngineProcess, pd_generate, running, write_model
+from vllm_harness import (
+    MAX_TOKENS,
+    PAIRINGS,
+    EngineProcess,
+    aligned_full_blocks,
+    assert_pulled_right,
+    block_digests,
+    pd_generate,
+    prompts_for,
+    running,
+    write_model,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.nixl, pytest.mark.vllm]
 
-BLOCK = 32
-VOCAB = 500
-MAX_TOKENS = 8
-PAIRINGS = [("stock", "stock"), ("kvbridge", "kvbridge"), ("stock", "kvbridge"),
-            ("kvbridge", "stock")]
 
 
 @pytest.fixture(scope="module", params=["llama", "hybrid", "mla"])
@@ -65,27 +70,6 @@ def engines(request: pytest.FixtureRequest, vllm_py: str, engine_logs: Path,
     }
     with running(made):
         yield {"kind": kind, **made}
-
-
-def prompts_for(seed: int) -> list[list[int]]:
-    """Shorter than a block, many blocks, and a third sharing the second's first 5 blocks."""
-    rng = random.Random(seed)
-    short = [rng.randrange(3, VOCAB) for _ in range(10)]
-    long = [rng.randrange(3, VOCAB) for _ in range(200)]
-    return [short, long, long[:5 * BLOCK] + [rng.randrange(3, VOCAB) for _ in range(45)]]
-
-
-def block_digests(engine: EngineProcess, ids: list[list[int]]) -> dict[str, str]:
-    return engine.call({"cmd": "kv_blocks", "block_ids": ids})["sha256"]
-
-
-def aligned_full_blocks(local: list[list[int]], remote: list[list[int]]
-                        ) -> tuple[list[list[int]], list[list[int]]]:  # fmt: skip
-    """Per group: the decode's blocks paired with the prefill's (the decode's are the last
-    ones of the prompt), without the last, partial block the decode writes into itself."""
-    pairs = [(loc[:-1], rem[len(rem) - len(loc):][:-1]) for loc, rem in zip(local, remote,
-                                                                            strict=True)]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
 @pytest.mark.parametrize("pairing", PAIRINGS, ids=["->".join(p) for p in PAIRINGS])
@@ -117,12 +101,8 @@ def test_pd_tokens_and_bytes_equal_one_engine(engines: dict[str, Any],
     second = pd_generate(prefill, decode, [shared], MAX_TOKENS)
     loads += decode.call({"cmd": "transfers"})["transfers"]
 
-    got = [o.token_ids for o in (*first, *second)]
-    assert got == reference, (f"{engines['kind']} {pairing}: P/D tokens differ from one "
-                              f"engine's\n{decode.log_tail()}")
-    assert not [r for r in loads if r["failed"]], loads
-    # Many-block prompts were pulled, not recomputed: some receive covered full blocks.
-    assert any(sum(len(g) for g in r["local_block_ids"]) >= 200 // BLOCK for r in loads), loads
+    assert_pulled_right(f"{engines['kind']} {pairing}", decode, [*first, *second], reference,
+                        loads)
     if engines["kind"] == "llama":
         # The decode kept the long prompt's blocks: the shared prompt pulled only the rest.
         last = loads[-1]

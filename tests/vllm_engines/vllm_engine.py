@@ -8,11 +8,15 @@ Subcommands::
 
     vllm_engine.py write-model DIR --kind {llama,hybrid} --seed N
     vllm_engine.py serve --model DIR --connector {none,stock,kvbridge} --kv-role ROLE \
-        --engine-id ID --side-channel-port P [--load-failure-policy recompute|fail]
+        --engine-id ID --side-channel-port P [--load-failure-policy recompute|fail] \
+        [--tp-size N]
 
-``serve`` runs ONE in-process ``vllm.LLM`` (no engine-core subprocess) and speaks JSON lines:
-the first stdout line is ``{"event": "ready", ...}``, then one reply line per stdin command
-(``generate``, ``kv_blocks``, ``kv_info``, ``exit``). stdout carries protocol lines only:
+``serve`` runs ONE in-process ``vllm.LLM`` (no engine-core subprocess; with ``--tp-size`` N > 1
+vLLM spawns N worker processes) and speaks JSON lines: the first stdout line is
+``{"event": "ready", ...}``, then one reply line per stdin command (``generate``,
+``kv_blocks``, ``kv_info``, ``transfers``, ``connector_state``, ``preflight``, ``exit``);
+the commands about the worker side run on every rank (:mod:`engine_worker`). stdout carries
+protocol lines only:
 file descriptor 1 is pointed at stderr before vLLM is imported, so vLLM's logging and
 anything native code prints land in the engine's log.
 
@@ -22,28 +26,41 @@ registers it: one contiguous tensor per attention layer of shape
 each (block, head) slab as ``[2 * block_size, head_dim]``: the K rows of the block's tokens,
 then their V rows. Under the hybrid KV cache manager the layers at the same position of each
 KV cache group share one tensor (same ``data_ptr``), indexed by that group's block ids.
-``kv_blocks`` hashes ``tensor[block_id]``; ``kv_info`` reports shapes, strides and pointers,
-so a test can check these assumptions.
+``kv_blocks`` hashes ``tensor[block_id]`` (or a slice of its heads, dimension 1, which is
+what one TP rank holds); ``kv_info`` reports shapes, strides and pointers, so a test can
+check these assumptions.
 
 Why each environment setting (notes/vllm-on-cpu.md §3): the platform cannot be inferred on a
 machine without an accelerator; no weights or usage stats can reach the network; in-process
-engines keep the protocol and ``get_kv_transfer_group()`` in this process; a 1 GiB KV space
-and one OMP thread keep two or three engines within a 2-core machine.
+engines keep the protocol in this process; a 1 GiB KV space and one OMP thread keep two or
+three engines within a 2-core machine; TP > 1 engines bind one core per rank and run niced
+(``TP_NICE``); the NIXL settings of ``worker_site/sitecustomize.py`` reach every worker process.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib
 import json
 import os
+import runpy
 import sys
 import traceback
 from pathlib import Path
 from typing import Any, TextIO
 
+import engine_worker  # beside this script: what collective_rpc runs in each worker
+
 REPO = Path(__file__).resolve().parents[2]
+SITE_DIR = Path(__file__).resolve().with_name("worker_site")
+
+#: Niceness of a TP > 1 engine and the workers it spawns (``KVBRIDGE_TEST_TP_NICE``). While a
+#: request is in flight, waiting for remote KV included, vLLM's multiprocess executor
+#: spin-waits on its shared-memory queues (``sched_yield``) in the engine and in every worker,
+#: and the workers are pinned one per core: on a 2-core machine that starves the other
+#: engines, whose side channel and NIXL progress thread the pull needs. Measured with one more
+#: spinner pinned to a core: vLLM's connector timed out its handshakes (5 s) and kvbridge's
+#: READs took 18-22 s. Niced, the TP engine gets whatever CPU the others leave.
+TP_NICE = "10"
 
 #: Set before vLLM (and NIXL/UCX) are imported; callers may override the setdefault ones.
 FORCED_ENV = {
@@ -60,58 +77,27 @@ DEFAULT_ENV = {
     "UCX_RCACHE_MAX_UNRELEASED": "1024",
 }
 
-#: Progress-thread poll interval for every NIXL agent in this process (µs). The wrapper
-#: hard-codes 0, which busy-spins a core per agent and starves the other engine's handshake.
-NIXL_PROGRESS_DELAY_US = 100
-
-NIXL_ALIASES = ("", "._api", "._bindings", "._utils", ".logging")
-
 HYBRID_LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 HYBRID_SLIDING_WINDOW = 64
 
 
 # -- environment ----------------------------------------------------------------------------
-def setup_environment() -> None:
-    """Agent package on sys.path, CPU settings, ``nixl`` aliased to ``nixl_cu12``."""
+def setup_environment(tp_size: int) -> None:
+    """Agent package on sys.path, CPU settings, and the NIXL settings of ``worker_site/`` in this
+    process and (through ``PYTHONPATH``) in every worker process vLLM spawns."""
     sys.path.insert(0, str(REPO / "agent"))
     os.environ.update(FORCED_ENV)
     for key, value in DEFAULT_ENV.items():
         os.environ.setdefault(key, value)
-    alias_nixl()
-    patch_nixl_progress_delay(NIXL_PROGRESS_DELAY_US)
-
-
-def alias_nixl() -> None:
-    """Make ``import nixl._api`` resolve to ``nixl_cu12``.
-
-    vLLM imports NIXL as ``nixl._api``; the ``nixl`` meta package would pick ``nixl-cu13``
-    from the CUDA version torch's dependencies report and fail, so it is not installed.
-    """
-    for suffix in NIXL_ALIASES:
-        sys.modules.setdefault(f"nixl{suffix}", importlib.import_module(f"nixl_cu12{suffix}"))
-
-
-def patch_nixl_progress_delay(delay_us: int) -> None:
-    """Give every NIXL agent created in this process a sleeping progress thread.
-
-    ``nixl_agent.__init__`` (nixl_cu12 1.5.1 ``_api.py``) builds a ``nixlAgentConfig`` with
-    ``pthrDelay = 0`` and hands it to ``_bindings.nixlAgent``; it is the only caller of that
-    constructor, so wrapping it reaches the stock connector's agent and any other one. A
-    non-zero delay chosen by the caller (kvbridge's own agents patch it to their configured
-    value) is kept.
-    """
-    bindings = importlib.import_module("nixl_cu12._bindings")
-    original = bindings.nixlAgent
-    if getattr(original, "_kvb_delay_patched", False):
-        return
-
-    def _agent(agent_name: str, agent_config: Any) -> Any:
-        if agent_config.pthrDelay == 0:
-            agent_config.pthrDelay = delay_us
-        return original(agent_name, agent_config)
-
-    _agent._kvb_delay_patched = True  # type: ignore[attr-defined]
-    bindings.nixlAgent = _agent
+    if tp_size > 1:
+        # one core list per rank, or the CPU workers refuse to start (notes/vllm-on-cpu.md)
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                              "|".join(str(cores[r % len(cores)]) for r in range(tp_size)))
+        os.nice(int(os.environ.get("KVBRIDGE_TEST_TP_NICE", TP_NICE)))
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = f"{SITE_DIR}{os.pathsep}{path}" if path else str(SITE_DIR)
+    runpy.run_path(str(SITE_DIR / "sitecustomize.py"))
 
 
 def protocol_stdout() -> TextIO:
@@ -201,7 +187,12 @@ CONNECTORS: dict[str, dict[str, Any]] = {
 
 
 class Engine:
-    """One in-process ``vllm.LLM`` and the command handlers of the protocol."""
+    """One in-process ``vllm.LLM`` and the command handlers of the protocol.
+
+    Worker-side commands run on every TP rank through ``LLM.collective_rpc`` (see
+    :mod:`engine_worker`); their replies keep rank 0's answer at the top level, as a TP-1
+    engine gives it, and list every rank's under ``ranks``.
+    """
 
     def __init__(self, args: argparse.Namespace) -> None:
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
@@ -230,10 +221,11 @@ class Engine:
             max_model_len=args.max_model_len,
             enable_prefix_caching=True,
             seed=0,
+            tensor_parallel_size=args.tp_size,
             kv_transfer_config=kv_transfer_config,
         )
-        self.recorder = TransferRecorder(self._worker_connector()) \
-            if args.connector != "none" else None
+        if args.connector != "none":
+            self._on_workers(engine_worker.install_recorder)
         self._configure_logging()
 
     @staticmethod
@@ -247,34 +239,38 @@ class Engine:
         kvb.addHandler(handler)
         kvb.setLevel(logging.INFO)
 
+    def _on_workers(self, fn: Any, *args: Any) -> list[Any]:
+        """``fn(worker, *args)`` on every TP rank, results in rank order."""
+        return list(self.llm.collective_rpc(fn, args=args))
+
     # -- commands ---------------------------------------------------------------------------
     def transfers(self, _cmd: dict[str, Any]) -> dict[str, Any]:
-        """Receives that ended since the last call (see :class:`TransferRecorder`)."""
-        if self.recorder is None:
+        """Receives that ended since the last call, on every rank (each record names its
+        rank); the connector seconds are rank 0's."""
+        if self.connector == "none":
             raise RuntimeError("no KV connector in this engine (started with --connector none)")
-        return {"ok": True, "transfers": self.recorder.take(),
-                "connector_seconds": {k: {"seconds": v[0], "calls": v[1], "cpu_seconds": v[2]}
-                                      for k, v in self.recorder.spent.items()}}
+        ranks = self._on_workers(engine_worker.transfers)
+        return {"ok": True, "transfers": [{**t, "rank": r["rank"]} for r in ranks
+                                          for t in r["transfers"]],
+                "connector_seconds": ranks[0]["connector_seconds"], "ranks": ranks}
 
     def connector_state(self, _cmd: dict[str, Any]) -> dict[str, Any]:
-        """kvbridge only: the remote engines its agent has loaded (preflighted or not)."""
-        worker = self._worker_connector().connector_worker
-        service = getattr(worker, "service", None)
-        if service is None:
-            raise RuntimeError(f"{type(worker).__name__} is not kvbridge's worker")
-        from kvbridge_agent import metrics
-
-        return {"ok": True, "remotes": sorted({p.engine_id for p in service.peers().values()}),
-                "epoch": service.epoch,
-                "late_reads_declined": metrics.value("kvbridge_agent_late_reads_declined_total")}
+        """kvbridge only: the remote engines loaded by every rank's agent (their union),
+        rank 0's epoch, and late reads declined on all ranks."""
+        ranks = self._on_workers(engine_worker.connector_state)
+        return {"ok": True, "remotes": sorted({e for r in ranks for e in r["remotes"]}),
+                "epoch": ranks[0]["epoch"],
+                "late_reads_declined": sum(r["late_reads_declined"] for r in ranks),
+                "ranks": ranks}
 
     def preflight(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        """kvbridge only: handshake with a prefill engine now (what the operator's peer
-        assignment or ``kvbridge_peers`` trigger), so its first request pays none."""
-        worker = self._worker_connector().connector_worker
-        ok, message = worker.preflight(cmd["engine_id"], cmd["host"], int(cmd["port"]),
-                                       int(cmd.get("tp_size", 1)))
-        return {"ok": True, "preflight_ok": ok, "message": message}
+        """kvbridge only: every rank handshakes with the prefill ranks it reads from now
+        (what the operator's peer assignment or ``kvbridge_peers`` trigger), so its first
+        request pays none."""
+        ranks = self._on_workers(engine_worker.preflight, str(cmd["engine_id"]),
+                                 str(cmd["host"]), int(cmd["port"]), int(cmd.get("tp_size", 1)))
+        bad = [f"rank {r['rank']}: {r['message']}" for r in ranks if not r["preflight_ok"]]
+        return {"ok": True, "preflight_ok": not bad, "message": "; ".join(bad), "ranks": ranks}
 
     def generate(self, cmd: dict[str, Any]) -> dict[str, Any]:
         from vllm import SamplingParams
@@ -315,203 +311,23 @@ class Engine:
         }
 
     def kv_info(self, _cmd: dict[str, Any]) -> dict[str, Any]:
-        caches = self._kv_caches()
-        return {
-            "ok": True,
-            "connector_class": type(self._worker_connector()).__name__
-            if self.connector != "none" else None,
-            "layers": {
-                name: {
-                    "shape": list(t.shape),
-                    "stride": list(t.stride()),
-                    "dtype": str(t.dtype).removeprefix("torch."),
-                    "data_ptr": t.data_ptr(),
-                }
-                for name, t in caches.items()
-            },
-            "groups": [
-                {"layer_names": list(g.layer_names), "spec": type(g.kv_cache_spec).__name__,
-                 "block_size": g.kv_cache_spec.block_size,
-                 "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None)}
-                for g in self._kv_cache_config().kv_cache_groups
-            ],
-            "num_blocks": self._kv_cache_config().num_blocks,
-        }
+        """Rank 0's KV tensors and groups (every rank's under ``ranks``)."""
+        ranks = self._on_workers(engine_worker.kv_info, self.connector)
+        return {"ok": True, **ranks[0], "ranks": ranks}
 
     def kv_blocks(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        """sha256 per layer of the given blocks' bytes (block dimension 0, see module doc).
-
-        Whole blocks: a partial last block also holds whatever the engine wrote after the
-        prompt (decode tokens, stale rows), so only full prompt blocks compare across engines.
-        """
-        import torch
-
-        block_ids: list[list[int]] = cmd["block_ids"]
-        caches = self._kv_caches()
-        wanted = cmd.get("layers") or list(caches)
-        group_of = {
-            name: gi
-            for gi, g in enumerate(self._kv_cache_config().kv_cache_groups)
-            for name in g.layer_names
-        }
-        digests: dict[str, str] = {}
-        for name in wanted:
-            if name not in caches:
-                raise KeyError(f"layers: unknown layer {name!r}; known: {sorted(caches)}")
-            gi = group_of.get(name, 0)
-            if gi >= len(block_ids):
-                raise ValueError(
-                    f"block_ids: layer {name!r} is in group {gi}, got ids for "
-                    f"{len(block_ids)} group(s)"
-                )
-            h = hashlib.sha256()
-            tensor = caches[name]
-            for b in block_ids[gi]:
-                h.update(tensor[int(b)].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-            digests[name] = h.hexdigest()
-        return {"ok": True, "sha256": digests}
-
-    # -- introspection ----------------------------------------------------------------------
-    def _worker_connector(self) -> Any:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-        if not has_kv_transfer_group():
-            raise RuntimeError("no KV connector in this engine (started with --connector none)")
-        return get_kv_transfer_group()
-
-    def _kv_caches(self) -> dict[str, Any]:
-        """The KV tensors as the worker connector registered them, else the runner's."""
-        if self.connector == "none":
-            return dict(self._model_runner().kv_caches_by_name())
-        conn = self._worker_connector()
-        worker = getattr(conn, "connector_worker", None)
-        for owner, attr in ((worker, "device_kv_caches"), (worker, "kv_caches"),
-                            (conn, "kv_caches")):
-            caches = getattr(owner, attr, None) if owner is not None else None
-            if caches:
-                return dict(caches)
-        raise RuntimeError(
-            f"{type(conn).__name__}: no registered KV caches found (looked for "
-            "connector_worker.device_kv_caches, connector_worker.kv_caches, kv_caches)"
-        )
-
-    def _engine_core(self) -> Any:
-        return self.llm.llm_engine.engine_core.engine_core
-
-    def _model_runner(self) -> Any:
-        runner = self._engine_core().model_executor.driver_worker.worker.model_runner
-        return _RunnerCaches(runner)
-
-    def _kv_cache_config(self) -> Any:
-        return self._engine_core().scheduler.kv_cache_config
-
-
-class TransferRecorder:
-    """Instrumentation of the worker-side connector (stock or kvbridge alike): for every
-    request it receives, the block ids on both sides, when the engine step that first handed
-    it to the connector began, and when the connector reported it received (or failed).
-
-    Wraps the two facade methods vLLM's model runner calls every step; the connector's own
-    code runs unchanged inside them.
-    """
-
-    def __init__(self, connector: Any) -> None:
-        import time
-
-        self._now = time.perf_counter
-        self._open: dict[str, dict[str, Any]] = {}
-        self._done: list[dict[str, Any]] = []
-        #: per method: wall seconds inside the connector, calls, and the engine thread's CPU
-        #: seconds there (thread_time: not inflated when the machine preempts the engine)
-        self.spent: dict[str, list[float]] = {"start_load_kv": [0.0, 0, 0.0],
-                                              "get_transfer_results": [0.0, 0, 0.0]}
-        start_load, results = connector.start_load_kv, connector.get_transfer_results
-        #: ``KVB_PROFILE_CONNECTOR=FILE``: cProfile the connector calls, stats dumped at exit
-        self.profile_path = os.environ.get("KVB_PROFILE_CONNECTOR")
-        self.profile: Any = None
-        if self.profile_path:
-            import cProfile
-
-            self.profile = cProfile.Profile()
-
-        def start_load_kv(forward_context: Any, **kwargs: Any) -> Any:
-            meta = getattr(connector, "_connector_metadata", None)
-            new = [r for r in getattr(meta, "reqs_to_recv", {}) if r not in self._open]
-            for req_id, req in getattr(meta, "reqs_to_recv", {}).items():
-                if req_id not in self._open and req.remote is not None:
-                    self._open[req_id] = {
-                        "request_id": req_id, "t_start": self._now(),
-                        "step_start": self.spent["get_transfer_results"][1],
-                        "local_block_ids": [list(map(int, g)) for g in req.local_block_ids],
-                        "remote_block_ids": [list(map(int, g)) for g in req.remote.block_ids],
-                        "remote_engine_id": req.remote.engine_id}
-            t0, c0 = self._now(), time.thread_time()
-            if self.profile is not None:
-                self.profile.enable()
-            try:
-                return start_load(forward_context, **kwargs)
-            finally:
-                if self.profile is not None:
-                    self.profile.disable()
-                self._spend("start_load_kv", t0, c0)
-                for req_id in new:   # the connector CPU of the step that started the load
-                    if req_id in self._open:
-                        self._open[req_id]["start_cpu_us"] = (time.thread_time() - c0) * 1e6
-                        self._open[req_id]["start_wall_us"] = (self._now() - t0) * 1e6
-
-        def get_transfer_results(finished_req_ids: Any) -> Any:
-            t0, c0 = self._now(), time.thread_time()
-            if self.profile is not None:
-                self.profile.enable()
-            out = results(finished_req_ids)
-            if self.profile is not None:
-                self.profile.disable()
-            self._spend("get_transfer_results", t0, c0)
-            done_cpu_us = (time.thread_time() - c0) * 1e6
-            now = self._now()
-            done_wall_us = (now - t0) * 1e6
-            for req_id in out.finished_recving:
-                rec = self._open.pop(req_id, None)
-                if rec is not None:
-                    rec["seconds"] = now - rec.pop("t_start")
-                    # engine steps (get_transfer_results calls) the load took, this one included
-                    rec["steps"] = self.spent["get_transfer_results"][1] - rec.pop("step_start")
-                    rec["done_cpu_us"] = done_cpu_us
-                    rec["done_wall_us"] = done_wall_us
-                    rec["failed"] = req_id in out.failed_recving
-                    self._done.append(rec)
-            return out
-
-        connector.start_load_kv = start_load_kv
-        connector.get_transfer_results = get_transfer_results
-
-    def _spend(self, method: str, since: float, cpu_since: float) -> None:
-        import time
-
-        acc = self.spent[method]
-        acc[0] += self._now() - since
-        acc[1] += 1
-        acc[2] += time.thread_time() - cpu_since
-
-    def take(self) -> list[dict[str, Any]]:
-        out, self._done = self._done, []
-        return out
+        """sha256 per layer of the given blocks' bytes, per rank (see
+        :func:`engine_worker.kv_blocks`; ``heads`` narrows each block to those KV heads)."""
+        heads = cmd.get("heads")
+        ranks = self._on_workers(
+            engine_worker.kv_blocks, self.connector,
+            [[int(b) for b in group] for group in cmd["block_ids"]], cmd.get("layers"),
+            [int(h) for h in heads] if heads is not None else None)
+        return {"ok": True, "sha256": ranks[0]["sha256"], "ranks": ranks}
 
     def dump_profile(self) -> None:
-        if self.profile is not None and self.profile_path:
-            self.profile.dump_stats(self.profile_path)
-
-
-class _RunnerCaches:
-    """Layer name -> KV tensor from the model runner, for engines without a connector."""
-
-    def __init__(self, runner: Any) -> None:
-        self.runner = runner
-
-    def kv_caches_by_name(self) -> dict[str, Any]:
-        ctx = self.runner.vllm_config.compilation_config.static_forward_context
-        return {name: layer.kv_cache for name, layer in ctx.items()
-                if hasattr(layer, "kv_cache") and hasattr(layer.kv_cache, "shape")}
+        if self.connector != "none":
+            self._on_workers(engine_worker.dump_profile)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -530,8 +346,7 @@ def serve(args: argparse.Namespace) -> int:
             cmd = json.loads(line)
             name = cmd.get("cmd")
             if name == "exit":
-                if engine.recorder is not None:
-                    engine.recorder.dump_profile()
+                engine.dump_profile()
                 _reply(proto, {"ok": True})
                 break
             if name not in handlers:
@@ -582,6 +397,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--block-size", type=int, default=32)
     s.add_argument("--num-blocks", type=int, default=128)
     s.add_argument("--max-model-len", type=int, default=1024)
+    s.add_argument("--tp-size", type=int, default=1,
+                   help="tensor_parallel_size: N > 1 runs N worker processes")
     s.add_argument("--extra-config", default="{}",
                    help="JSON object for kv_connector_extra_config")
     return p.parse_args(argv)
@@ -594,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         config = write_model(args.dir, args.kind, args.seed)
         print(json.dumps({"ok": True, "dir": str(args.dir), "layers": config["num_hidden_layers"]}))
         return 0
-    setup_environment()
+    setup_environment(args.tp_size)
     return serve(args)
 
 

@@ -39,6 +39,14 @@ START_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 180.0
 LOG_TAIL_CHARS = 6000
 
+#: What the P/D token and byte tests share: block size, vocabulary, tokens per answer, and
+#: the four (prefill, decode) connector pairings (stock->stock is the control).
+BLOCK = 32
+VOCAB = 500
+MAX_TOKENS = 8
+PAIRINGS = [("stock", "stock"), ("kvbridge", "kvbridge"), ("stock", "kvbridge"),
+            ("kvbridge", "stock")]
+
 
 class EngineError(RuntimeError):
     """An engine died, timed out, or answered a command with ``ok: false``."""
@@ -105,10 +113,12 @@ class EngineProcess:
         extra_config: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         port: int | None = None,
+        tp_size: int = 1,
     ) -> None:
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.name = name or self.engine_id
         self.port = port or free_port()   # a restarted engine keeps its side-channel port
+        self.tp_size = tp_size
         self.log_path = Path(log_dir) / f"{self.name}.log"
         self.argv = [
             vllm_python(), str(ENGINE_SCRIPT), "serve", "--model", str(model),
@@ -116,7 +126,7 @@ class EngineProcess:
             "--side-channel-port", str(self.port),
             "--load-failure-policy", load_failure_policy,
             "--block-size", str(block_size), "--num-blocks", str(num_blocks),
-            "--max-model-len", str(max_model_len),
+            "--max-model-len", str(max_model_len), "--tp-size", str(tp_size),
             "--extra-config", json.dumps(extra_config or {}),
         ]
         self.env = {**os.environ, **(env or {})}
@@ -188,6 +198,7 @@ class EngineProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
+        self._reap_group()
         self._close_log()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -201,7 +212,16 @@ class EngineProcess:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self._reap_group()
         self._close_log()
+
+    def _reap_group(self) -> None:
+        """SIGKILL what is left of the engine's process group once the engine is gone: a
+        TP worker vLLM spawned can outlive it (seen stuck in its own shutdown, a core
+        spinning), and would load every later test on this machine."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
     @property
     def alive(self) -> bool:
@@ -343,3 +363,36 @@ def pd_generate(
         )
         for p, d, kp in zip(pre, dec, params, strict=True)
     ]
+
+
+def prompts_for(seed: int) -> list[list[int]]:
+    """Shorter than a block, many blocks, and a third sharing the second's first 5 blocks."""
+    rng = random.Random(seed)
+    short = [rng.randrange(3, VOCAB) for _ in range(10)]
+    long = [rng.randrange(3, VOCAB) for _ in range(200)]
+    return [short, long, long[:5 * BLOCK] + [rng.randrange(3, VOCAB) for _ in range(45)]]
+
+
+def block_digests(engine: EngineProcess, ids: list[list[int]]) -> dict[str, str]:
+    return engine.call({"cmd": "kv_blocks", "block_ids": ids})["sha256"]
+
+
+def aligned_full_blocks(local: list[list[int]], remote: list[list[int]]
+                        ) -> tuple[list[list[int]], list[list[int]]]:  # fmt: skip
+    """Per group: the decode's blocks paired with the prefill's (the decode's are the last
+    ones of the prompt), without the last, partial block the decode writes into itself."""
+    pairs = [(loc[:-1], rem[len(rem) - len(loc):][:-1]) for loc, rem in zip(local, remote,
+                                                                            strict=True)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def assert_pulled_right(label: str, decode: EngineProcess, outputs: list[PDOutput],
+                        reference: list[list[int]], loads: list[dict[str, Any]]) -> None:
+    """What every P/D run of ``prompts_for`` must show: the decode's tokens equal one
+    engine's, no receive failed, and the many-block prompt was pulled, not recomputed (a
+    receive covered its full blocks)."""
+    got = [o.token_ids for o in outputs]
+    assert got == reference, f"{label}: P/D tokens differ from one engine's\n{decode.log_tail()}"
+    assert not [r for r in loads if r["failed"]], loads
+    assert any(sum(len(g) for g in r["local_block_ids"]) >= 200 // BLOCK for r in loads), loads
+
