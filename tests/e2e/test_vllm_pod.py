@@ -7,6 +7,7 @@ request flows through the pair, token for token equal to one engine's output."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,14 @@ from typing import Any
 import pytest
 from kvb_e2e import Api, wait_for
 from sim import SimPod, create_agent_rbac, pod_bound_token
-from vllm_harness import EngineProcess, pd_generate, running, vllm_python, write_model
+from vllm_harness import (
+    EngineProcess,
+    RandomPrompts,
+    pd_generate,
+    running,
+    vllm_python,
+    write_model,
+)
 
 from kvbridge_operator.config import ENDPOINTS
 
@@ -24,29 +32,45 @@ pytestmark = [pytest.mark.k8s, pytest.mark.nixl, pytest.mark.vllm, pytest.mark.s
 SA = "kvbridge-agent"
 
 
-@pytest.fixture
-def engine_pods(cluster: Any, api: Api, ns: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
+@contextlib.contextmanager
+def _engine_pods(cluster: Any, api: Api, ns: str, tmp_path: Path, *, decode_tp: int = 1
+                 ) -> Iterator[dict[str, Any]]:  # fmt: skip
+    """A prefill pod (TP 1) and a decode pod (TP ``decode_tp``: one pod, its ranks are
+    worker processes of one engine), each a real engine with pod identity and token."""
     try:
         vllm_python()
     except RuntimeError as exc:
         pytest.fail(str(exc), pytrace=False)
     create_agent_rbac(cluster.api_client(), ns, SA)
-    api.create_transfer(ns)
+    api.create_transfer(ns, decode_tp=decode_tp)
     model = write_model(tmp_path / "model", kind="llama", seed=9)
     engines: dict[str, Any] = {}
-    for role in ("prefill", "decode"):
+    for role, tp in (("prefill", 1), ("decode", decode_tp)):
         pod = SimPod(cluster, ns, f"vllm-{role}-0", role=role, engine_id=f"{ns}-{role}",
                      sa=SA).create_pod()
         token = pod_bound_token(cluster.kubectl, ns, SA, pod.name)
         kubeconfig = cluster.kubeconfig_for_token(token, f"pod-{ns}-{pod.name}")
         engines[role] = EngineProcess(
             model, tmp_path, connector="kvbridge", kv_role="kv_both",
-            engine_id=pod.engine_id, name=pod.name,
+            engine_id=pod.engine_id, name=pod.name, tp_size=tp,
             env={"POD_NAME": pod.name, "POD_UID": pod.uid, "POD_NAMESPACE": ns,
                  "NODE_NAME": pod.node, "POD_IP": "127.0.0.1", "KUBECONFIG": str(kubeconfig),
                  "KVBRIDGE_TRANSFER": "kvt", "KVBRIDGE_ROLE": role,
                  "KVBRIDGE_SYNC_INTERVAL_S": "0.5"})
     with running(engines):
+        yield engines
+
+
+@pytest.fixture
+def engine_pods(cluster: Any, api: Api, ns: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    with _engine_pods(cluster, api, ns, tmp_path) as engines:
+        yield engines
+
+
+@pytest.fixture
+def tp2_engine_pods(cluster: Any, api: Api, ns: str, tmp_path: Path
+                    ) -> Iterator[dict[str, Any]]:  # fmt: skip
+    with _engine_pods(cluster, api, ns, tmp_path, decode_tp=2) as engines:
         yield engines
 
 
@@ -86,3 +110,42 @@ def test_vllm_engines_as_pods_pair_preflight_and_serve(api: Api, ns: str,
     # The decode engine also serves on its own (kv_both) while paired.
     assert [o["token_ids"] for o in decode.generate(fresh, 6)] == reference_fresh
     assert api.list(ENDPOINTS, ns) and api.condition(ns, "Ready")["status"] == "True"
+
+
+def test_a_tp2_engine_publishes_each_rank_and_every_rank_preflights(
+        api: Api, ns: str, tp2_engine_pods: dict[str, Any]) -> None:
+    """A TP-2 decode engine in one pod: each rank's worker process publishes its own
+    KVEndpoint (``<pod>-tp<rank>``) from what it registered, the operator pairs each rank
+    with the prefill rank it reads from (spec §1.9), both ranks preflight it, the KVTransfer
+    goes Ready, and a request pulls on both ranks."""
+    prefill, decode = tp2_engine_pods["prefill"], tp2_engine_pods["decode"]
+    names = ["vllm-decode-0-tp0", "vllm-decode-0-tp1", "vllm-prefill-0"]
+    endpoints = wait_for(lambda: (lambda e: e if sorted(e) == names else None)(
+        api.endpoints(ns)), timeout=180, what="the three KVEndpoints published")
+    prefill_regions = endpoints["vllm-prefill-0"]["spec"]["geometry"]["regions"]
+    for rank in (0, 1):
+        spec = endpoints[f"vllm-decode-0-tp{rank}"]["spec"]
+        assert (spec["engineId"], spec["tpRank"], spec["tpSize"]) == (decode.engine_id, rank, 2)
+        assert spec["podName"] == "vllm-decode-0"
+        # What that rank registered: one of the model's two KV heads, half a TP-1 block.
+        assert [r["blockLen"] * 2 for r in spec["geometry"]["regions"]] == [
+            r["blockLen"] for r in prefill_regions]
+        owner = endpoints[f"vllm-decode-0-tp{rank}"]["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"]) == ("Pod", "vllm-decode-0")
+
+    api.wait_condition(ns, "Ready", "True", timeout=240)
+    for rank in (0, 1):
+        status = api.endpoint(ns, f"vllm-decode-0-tp{rank}")["status"]
+        assert [(p["name"], p["engineId"], p["tpRank"]) for p in status["peers"]] == [
+            ("vllm-prefill-0", prefill.engine_id, 0)]
+        assert [(h["peer"], h["state"]) for h in status["handshakes"]] == [
+            ("vllm-prefill-0", "Succeeded")]
+    state = decode.call({"cmd": "connector_state"})
+    assert [r["remotes"] for r in state["ranks"]] == [[prefill.engine_id]] * 2
+
+    prompts = RandomPrompts(11)
+    batch = [prompts(n) for n in (40, 170)]
+    out = pd_generate(prefill, decode, batch, 6)
+    loads = decode.call({"cmd": "transfers"})["transfers"]
+    assert {t["rank"] for t in loads} == {0, 1} and not [t for t in loads if t["failed"]], loads
+    assert [o.token_ids for o in out] == [o["token_ids"] for o in prefill.generate(batch, 6)]

@@ -53,3 +53,10 @@ def test_a_bad_serving_port_is_named(tmp_path: Path, bad: str) -> None:
     env = {**ENV, "KVBRIDGE_POD_LABELS_FILE": str(tmp_path / "none"), "KVBRIDGE_SERVING_PORT": bad}
     with pytest.raises(ValueError, match=r"KVBRIDGE_SERVING_PORT: expected a TCP port .* got"):
         PodIdentity.from_env(env)
+
+
+def test_each_tp_rank_of_a_pod_gets_its_own_endpoint_name() -> None:
+    pod = PodIdentity("vllm-decode-0", "uid-1", "serving")
+    assert pod.endpoint_name() == pod.endpoint_name(0, 1) == "vllm-decode-0"
+    assert [pod.endpoint_name(r, 2) for r in (0, 1)] == ["vllm-decode-0-tp0",
+                                                         "vllm-decode-0-tp1"]

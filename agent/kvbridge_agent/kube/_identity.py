@@ -94,6 +94,12 @@ class PodIdentity:
                    env.get(ENV_NODE_NAME, ""), env.get(ENV_POD_IP, ""), labels,
                    parse_serving_port(env.get(ENV_SERVING_PORT, "")))
 
+    def endpoint_name(self, tp_rank: int = 0, tp_size: int = 1) -> str:
+        """The KVEndpoint name of one TP rank: the pod's name when the pod runs one rank,
+        ``<pod>-tp<rank>`` when it runs several (vLLM's TP workers share one pod, and the
+        operator pairs per rank, so each rank publishes its own)."""
+        return self.name if tp_size == 1 else f"{self.name}-tp{tp_rank}"
+
     def owner_reference(self) -> dict[str, Any]:
         return {"apiVersion": "v1", "kind": "Pod", "name": self.name, "uid": self.uid,
                 "controller": True, "blockOwnerDeletion": False}

@@ -204,8 +204,9 @@ class KVBridgeWorker:
                 backoff = min(backoff * 2, 10.0)
 
     def _start_kubernetes_duties(self) -> None:
-        """Publish and follow the KVEndpoint when the pod's identity is in the environment;
-        serve agent metrics when ``KVBRIDGE_AGENT_METRICS_PORT`` is set."""
+        """Publish and follow this rank's KVEndpoint when the pod's identity is in the
+        environment; serve agent metrics when ``KVBRIDGE_AGENT_METRICS_PORT`` is set (rank r
+        on that port + r)."""
         from ..kube import EndpointPublisher, PodDuties, PodIdentity, api_client
 
         env = os.environ
@@ -224,9 +225,13 @@ class KVBridgeWorker:
                             f"metadata.labels at ${names.POD_LABELS_FILE}, default "
                             "/etc/podinfo/labels): the KVEndpoint carries none, so a "
                             "KVTransfer selector will not match it")
-            publisher = EndpointPublisher(api_client(), pod)
+            publisher = EndpointPublisher(
+                api_client(), pod, name=pod.endpoint_name(self.facts.tp_rank, self.facts.tp_size))
+        port = names.metrics_port(env)
+        if port:   # one port per TP rank: vLLM runs a pod's ranks as processes of their own
+            port += self.facts.tp_rank
         self.duties = PodDuties.start(
-            self.service, metrics_port=names.metrics_port(env), publisher=publisher,
+            self.service, metrics_port=port, publisher=publisher,
             transfer=transfer, sync_interval_s=float(env.get(names.SYNC_INTERVAL_S, "1.0")))
 
     # -- the decode side: pulls ---------------------------------------------------------------
