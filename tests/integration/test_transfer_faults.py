@@ -232,3 +232,66 @@ def test_lease_expires_without_notification_and_heartbeats_extend(peer):
         engine.close()
         d.close()
         peer.call("close", p_spec.engine_id)
+
+
+def test_a_first_read_from_a_frozen_prefill_waits_for_it_without_blocking_the_caller():
+    """A prefill starved of CPU (the 2-core machines' TP "hang", README: Known limitations).
+    With the default transports, the decode's first READ needs the prefill's process to answer
+    UCX's wire-up, so it cannot complete while the prefill does not run (cma may already have
+    copied the bytes). Loading the prefill and posting the READ return without waiting for
+    it, every poll returns, and the READ fails at its deadline with cause timeout, never
+    notifying; nothing lands in its blocks after that, and once the prefill runs again the
+    next READ is byte exact."""
+    regions = _regions()
+    p_spec = EngineSpec(f"pw-{next(_n)}", regions, seed=43)
+    d_spec = _spec("dw", regions)
+    peer = Peer()
+    d = None
+    try:
+        p_desc = peer.call("create", p_spec, lease_s=30.0)
+        d = LocalSide(d_spec)
+        engine = PullEngine(d.local, timeout_s=10.0)
+        peer.call("register", p_spec.engine_id, ["wire-1", "wire-2"])
+        before = d.memory.snapshot()
+        peer.signal(signal.SIGSTOP)
+        polls, result = 0, None
+        try:
+            engine.add_remote(p_desc)
+            engine.start(PullRequest("wire-1", p_spec.engine_id, [[1, 2]], [[3, 4]],
+                                     timeout_s=1.0))
+            while result is None:          # what an engine's step loop does
+                ended = engine.poll()
+                polls += 1
+                result = next((r for r in (*ended.finished, *ended.failed)
+                               if r.request_id == "wire-1"), None)
+                time.sleep(0.001)
+            at_failure = d.memory.snapshot()
+        finally:
+            peer.signal(signal.SIGCONT)
+        assert result.cause is FailureCause.TIMEOUT, result
+        assert "in flight" in result.message, result.message
+        assert polls > 10                  # the caller kept control while the READ waited
+        peer.call("add_peer", p_spec.engine_id, d.describe())
+        time.sleep(0.5)
+        assert peer.call("notifs", p_spec.engine_id)["log"] == []   # never notified
+        m = Memory(p_spec)
+        m.fill_pattern(43)
+        copies = {r.name: [(1, 3), (2, 4)] for r in regions}
+        landed = expected_after(d.memory, before, m, block_copies(d_spec, p_spec, copies))
+        for name, buf in d.memory.buffers.items():
+            # the failed READ's blocks: as they were, or the prefill's bytes; then frozen
+            assert (np.array_equal(at_failure[name], before[name])
+                    or np.array_equal(at_failure[name], landed[name])), name
+            np.testing.assert_array_equal(buf, at_failure[name], err_msg=name)
+
+        engine.start(PullRequest("wire-2", p_spec.engine_id, [[5, 6]], [[7, 8]]))
+        assert isinstance(engine.wait("wire-2", 5.0), TransferDone)
+        want = expected_after(d.memory, at_failure, m, block_copies(
+            d_spec, p_spec, {r.name: [(5, 7), (6, 8)] for r in regions}))
+        for name, buf in d.memory.buffers.items():
+            np.testing.assert_array_equal(buf, want[name], err_msg=name)
+        engine.close()
+    finally:
+        if d is not None:
+            d.close()
+        peer.close()
