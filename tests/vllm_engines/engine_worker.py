@@ -74,7 +74,7 @@ def connector_state(wrapper: Any) -> dict[str, Any]:
     service = kvbridge_worker().service
     return {"rank": rank(wrapper),
             "remotes": sorted({p.engine_id for p in service.peers().values()}),
-            "peers": sorted(service.peers()), "epoch": service.epoch,
+            "epoch": service.epoch,
             "late_reads_declined": metrics.value("kvbridge_agent_late_reads_declined_total")}
 
 

@@ -118,7 +118,6 @@ class EngineProcess:
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.name = name or self.engine_id
         self.port = port or free_port()   # a restarted engine keeps its side-channel port
-        self.tp_size = tp_size
         self.log_path = Path(log_dir) / f"{self.name}.log"
         self.argv = [
             vllm_python(), str(ENGINE_SCRIPT), "serve", "--model", str(model),
@@ -194,11 +193,9 @@ class EngineProcess:
 
     def kill(self) -> None:
         """SIGKILL the engine's process group (a crash as the peer sees it)."""
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc is not None:
+            self._reap_group()
             self.proc.wait(timeout=30)
-        self._reap_group()
         self._close_log()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -216,9 +213,9 @@ class EngineProcess:
         self._close_log()
 
     def _reap_group(self) -> None:
-        """SIGKILL what is left of the engine's process group once the engine is gone: a
-        TP worker vLLM spawned can outlive it (seen stuck in its own shutdown, a core
-        spinning), and would load every later test on this machine."""
+        """SIGKILL the engine's whole process group: the engine if it still runs, and any TP
+        worker vLLM spawned, which can outlive the engine (seen stuck in its own shutdown, a
+        core spinning) and would load every later test on this machine."""
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
