@@ -32,7 +32,9 @@ lives under RUN_DIR and goes with the node.
 ``RealNode.stop`` cordons the node and deletes every pod first (so the kubelet tears sandboxes
 down through CNI), stops the daemons, then removes what is left: shims, mounts, cgroups,
 network namespaces, the link and the routes. ``leftovers()`` reports anything that survived;
-tests assert on it.
+tests assert on it. A run killed before its teardown (a cut-off CI job) leaves those behind:
+the next ``link_up`` clears them, and refuses instead while any process still lives in the
+node's namespace or in one of its containerd shims.
 
 Binaries: kubelet and kube-proxy from ``hack/test-stack.sh ensure``; containerd, runc, CNI
 plugins and ``ctr`` from Debian (installed by the same script).
@@ -154,6 +156,21 @@ def _in_node(*cmd: str) -> list[str]:
     return ["nsenter", f"--net=/run/netns/{NETNS}", "--", *cmd]
 
 
+def _stale_pod_netns() -> list[str]:
+    """Pod network namespaces (CNI names them ``cni-<uuid>``) that no process uses any more."""
+    netns_dir = Path("/run/netns")
+    names = sorted(n for n in os.listdir(netns_dir) if n.startswith("cni-")) \
+        if netns_dir.is_dir() else []
+    return [n for n in names if not _sh("ip", "netns", "pids", n, check=False).stdout.split()]
+
+
+def _remove_netns_file(name: str) -> None:
+    path = Path("/run/netns") / name
+    _sh("umount", "-l", str(path), check=False)
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
 def host_rules() -> list[str]:
     """The host's iptables rules and chains (comments and counters dropped): the node's live in
     its own network namespace, so these must not change."""
@@ -253,9 +270,7 @@ class RealNode:
     def link_up(self) -> RealNode:
         """The node's network namespace and its link to the host (before the apiserver starts:
         it binds HOST_IP)."""
-        if Path(f"/run/netns/{NETNS}").exists():
-            raise NodeError(f"network namespace {NETNS} exists: another node runs here, or a "
-                            f"crashed run left it (`ip netns del {NETNS}` after checking)")
+        self._clear_crashed_run()
         self._pod_logs_before = set(os.listdir(POD_LOGS)) if POD_LOGS.is_dir() else set()
         self._netns_before = set(os.listdir("/run/netns")) if Path("/run/netns").is_dir() else set()
         self._host_rules_before = host_rules()
@@ -266,6 +281,38 @@ class RealNode:
             self.stop()
             raise
         return self
+
+    def _clear_crashed_run(self) -> None:
+        """Remove what a node killed without its teardown left (its link, routes, mounts,
+        network namespaces, cgroups), so one crashed run does not fail every later one; refuse
+        while any process of another node still runs here."""
+        if not Path(f"/run/netns/{NETNS}").exists() and not RUN_DIR.exists():
+            return
+        alive = self._other_node_processes()
+        if alive:
+            raise NodeError(f"another node runs here: processes {alive} live in network "
+                            f"namespace {NETNS} or in containerd shims of {RUN_DIR}; stop that "
+                            f"run first")
+        log.warning("clearing what a crashed node run left: %s", self._crash_remains())
+        stale_workdirs = [d for d in Path("/var/tmp").glob("kvb-node-*") if d != self.workdir]
+        self._unmount_under(RUN_DIR, *stale_workdirs)
+        for name in _stale_pod_netns():
+            _remove_netns_file(name)
+        self._remove_cgroups()
+        self._remove_link()
+        shutil.rmtree(RUN_DIR, ignore_errors=True)
+        for workdir in stale_workdirs:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def _other_node_processes(self) -> list[int]:
+        in_netns = _sh("ip", "netns", "pids", NETNS, check=False).stdout.split()
+        return sorted({int(pid) for pid in in_netns} | set(self._shim_pids()))
+
+    @staticmethod
+    def _crash_remains() -> list[str]:
+        found = [f"netns {NETNS}"] if Path(f"/run/netns/{NETNS}").exists() else []
+        found += [f"netns {n}" for n in _stale_pod_netns()]
+        return found + ([str(RUN_DIR)] if RUN_DIR.exists() else [])
 
     def start(self, cluster: LocalCluster, timeout: float = 120.0) -> RealNode:
         """Run containerd, the kubelet and kube-proxy against ``cluster`` until Ready."""
@@ -541,12 +588,8 @@ class RealNode:
 
     def _remove_pod_netns(self) -> None:
         for name in self._new_netns():
-            if name == NETNS:
-                continue
-            path = Path("/run/netns") / name
-            _sh("umount", "-l", str(path), check=False)
-            with contextlib.suppress(OSError):
-                path.unlink()
+            if name != NETNS:
+                _remove_netns_file(name)
 
     def _remove_link(self) -> None:
         for cidr in (POD_CIDR, self.service_cidr):

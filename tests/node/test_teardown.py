@@ -1,10 +1,12 @@
 """Last in the node session (files run in name order): a deleted pod's KVEndpoint is garbage
 collected by the real controller, ``helm uninstall`` leaves nothing running, and stopping the
 node leaves no bridge, veth, iptables rule, network namespace, mount, cgroup or containerd
-task behind on the host."""
+task behind on the host; and what a crashed run left is cleared before the next node."""
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +15,7 @@ from kvb_e2e import Api, wait_for
 from nodelib import AGENT_NS, OPERATOR_NS, RELEASE
 
 from kvbridge_operator.config import ENDPOINTS
+from kvbridge_testkit import node as kn
 
 pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.slow]
 
@@ -55,3 +58,41 @@ def test_stopped_node_leaves_nothing_on_the_host(api: Api, node: Any) -> None:
     node.stop()
     leftovers = node.leftovers()
     assert leftovers == {k: [] for k in leftovers}, leftovers
+
+
+def test_a_crashed_runs_leftovers_are_cleared_and_a_live_node_is_never_touched() -> None:
+    """A node killed without its teardown (a CI job cut off mid-run) leaves its link, routes,
+    namespaces and mounts; the next node clears them, but refuses while a process lives there."""
+    crashed = kn.RealNode(images=[]).link_up()  # its teardown never runs: the "crash"
+    stale_pod_netns = "cni-kvbtest-crashed"
+    subprocess.run(["ip", "netns", "add", stale_pod_netns], check=True)
+    kn.RUN_DIR.mkdir(parents=True, exist_ok=True)
+    (kn.RUN_DIR / "shm").mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(kn.RUN_DIR / "shm")], check=True)
+    survivor = subprocess.Popen(["ip", "netns", "exec", kn.NETNS, "sleep", "300"])
+    nxt = kn.RealNode(images=[])
+    try:
+        wait_for(lambda: str(survivor.pid) in _netns_pids(kn.NETNS), timeout=10,
+                 what="a process inside the crashed node's namespace")  # fmt: skip
+        refusal = rf"another node runs here: processes .*{survivor.pid}"
+        with pytest.raises(kn.NodeError, match=refusal):
+            nxt.link_up()
+        assert Path(f"/run/netns/{kn.NETNS}").exists()  # refused: nothing was removed
+        assert (kn.RUN_DIR / "shm").is_mount()
+        survivor.kill()
+        survivor.wait()
+        nxt.link_up()
+        assert not Path(f"/run/netns/{stale_pod_netns}").exists()
+        assert not kn.RUN_DIR.exists()
+        assert crashed.workdir is not None and not crashed.workdir.exists()
+    finally:
+        survivor.kill()
+        nxt.stop()
+        subprocess.run(["ip", "netns", "del", stale_pod_netns], check=False, capture_output=True)
+    leftovers = nxt.leftovers()
+    assert leftovers == {k: [] for k in leftovers}, leftovers
+
+
+def _netns_pids(name: str) -> list[str]:
+    return subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True
+                          ).stdout.split()  # fmt: skip
