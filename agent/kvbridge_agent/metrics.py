@@ -12,6 +12,9 @@ the operator's metrics never collide). Serve with :func:`serve`.
   stated lease deadline had passed, or was within the margin (the request then recomputes
   or fails, by ``kv_load_failure_policy``);
 - ``kvbridge_agent_peers``: peers currently loaded (handshake succeeded);
+- ``kvbridge_agent_peer_transport{peer,transport}``: 1 per loaded peer, labelled with the UCX
+  transport that carries its KV (``cma``, ``tcp``, ``rc_mlx5``, ``cuda_ipc``, ``unknown``;
+  :mod:`kvbridge_agent.nixl._transport`); the series goes when the peer is dropped;
 - ``kvbridge_agent_info{namespace,transfer,role,engine_id}``: 1 while the agent publishes its
   KVEndpoint (:class:`~kvbridge_agent.kube.EndpointSync`). The other series carry no
   KVTransfer, so the chart's dashboard and alerts join on it by scrape ``instance`` to group
@@ -112,6 +115,9 @@ PEERS = Gauge("kvbridge_agent_peers", "Peers loaded after a successful handshake
 INFO = Gauge(
     "kvbridge_agent_info", "The KVTransfer, role and engine this agent publishes as (always 1)",
     ["namespace", "transfer", "role", "engine_id"], registry=REGISTRY)
+PEER_TRANSPORT = Gauge(
+    "kvbridge_agent_peer_transport", "1 per loaded peer, by the UCX transport carrying its KV",
+    ["peer", "transport"], registry=REGISTRY)
 
 #: Values of the ``result`` label of HANDSHAKES (service/_agent.py's preflight outcomes).
 HANDSHAKE_RESULTS = ("succeeded", "incompatible", "timeout", "rejected", "error", "stale")

@@ -26,6 +26,7 @@ __all__ = [
     "PER_REGION_LISTS",
     "RULES",
     "SHARED_GROUP_ID",
+    "UNKNOWN_TRANSPORT",
     "Finding",
     "RuleDef",
     "block_stride",
@@ -41,6 +42,7 @@ __all__ = [
     "single_memory",
     "sizes_divide",
     "tp_rank",
+    "transport_accepted",
 ]
 
 #: The NIXL connector version kvbridge speaks (spec §1.4). History: 1 compatibility hash ·
@@ -314,3 +316,19 @@ def push_group_layout(producer: Sequence[int], consumer: Sequence[int], *,
         return None
     return _R["push_group_layout"].finding(
         "region_group_ids", f"the producer's layout {list(producer)}", list(consumer), note)
+
+
+#: What an agent reports when UCX's tables could not tell a peer's transport
+#: (nixl/_transport.py); never counted as a fallback.
+UNKNOWN_TRANSPORT = "unknown"
+
+
+def transport_accepted(transport: str, accepted: Iterable[str]) -> bool:
+    """Whether every part of ``transport`` is accepted: a listed name, or a family prefix of
+    one (``rc`` accepts ``rc_mlx5`` and ``rc_verbs``). An empty list accepts everything;
+    ``unknown`` is never a fallback (nothing says it is one)."""
+    allowed = tuple(accepted)
+    if not allowed or transport == UNKNOWN_TRANSPORT:
+        return True
+    return all(any(part == a or part.startswith(a + "_") for a in allowed)
+               for part in transport.split("+"))

@@ -2,7 +2,8 @@
 
 GeometryCompatible, Paired, HandshakesVerified, Ready (Paired and HandshakesVerified; an
 incompatible endpoint that is left out does not block it) and Degraded (incompatible, stale or
-incomplete endpoints, failed handshakes). Messages name endpoints and fields and list at most a
+incomplete endpoints, failed handshakes, pairs over a transport the KVTransfer does not
+accept). Messages name endpoints and fields and list at most a
 few names, sorted, so they only change when the facts do.
 """
 
@@ -17,6 +18,7 @@ from .model import (
     PairState,
     Problem,
     RoleCounts,
+    TransportFallback,
 )
 from .spec import Endpoint, Transfer
 
@@ -34,6 +36,7 @@ def desired_conditions(
     prefill: RoleCounts,
     decode: RoleCounts,
     pairs: list[Pair],
+    fallbacks: list[TransportFallback] | None = None,
 ) -> tuple[DesiredCondition, ...]:
     C = DesiredCondition
     if not eps:
@@ -134,6 +137,13 @@ def desired_conditions(
         )
     if failed:
         parts.append(("HandshakeFailed", f"{len(failed)} failed handshake(s)"))
+    if fallbacks:
+        shown = "; ".join(f"{f.endpoint} <- {f.peer} over {f.transport}" for f in fallbacks[:3])
+        more = f"; and {len(fallbacks) - 3} more" if len(fallbacks) > 3 else ""
+        accepted = ", ".join(transfer.accepted_transports)
+        parts.append(("TransportFallback",
+                      f"{len(fallbacks)} rank pair(s) use a transport outside "
+                      f"spec.transport.accepted [{accepted}]: {shown}{more}"))
     stale = prefill.stale + decode.stale
     if stale:
         parts.append(("StaleEndpoints", f"{stale} stale endpoint(s) superseded by newer epochs"))
@@ -147,6 +157,7 @@ def desired_conditions(
             "Degraded",
             "False",
             "AsExpected",
-            "no incompatible, stale or incomplete endpoints and no failed handshakes",
+            "no incompatible, stale or incomplete endpoints, no failed handshakes and no "
+            "transport fallback",
         )
     return (geo, paired, hs, ready, degraded)

@@ -39,6 +39,18 @@ INCOMPATIBLE_PAIRS = Gauge(
     "Decode/prefill engine pairs that fail a compatibility rule.",
     ["namespace", "transfer"],
 )
+PAIR_TRANSPORT = Gauge(
+    "kvbridge_pair_transport",
+    "1 per engine pair and UCX transport its decode ranks report (cma, tcp, rc_mlx5, ...).",
+    ["namespace", "transfer", "decode_engine", "prefill_engine", "transport"],
+)
+TRANSPORT_FALLBACKS = Gauge(
+    "kvbridge_transport_fallback_pairs",
+    "Verified rank pairs over a transport the KVTransfer's spec.transport.accepted leaves out.",
+    ["namespace", "transfer"],
+)
+#: PAIR_TRANSPORT label sets exported per KVTransfer, to drop those of pairs that went away.
+_pair_transport_series: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
 #: The KVTransfer conditions exported by TRANSFER_CONDITION (conditions.py sets these).
 CONDITIONS = ("GeometryCompatible", "Paired", "HandshakesVerified", "Ready", "Degraded")
 TRANSFER_CONDITION = Gauge(
@@ -77,6 +89,13 @@ def record(namespace: str, transfer: str, plan: Plan) -> None:
             sum(1 for p in plan.pairs if p.state is state)
         )
     INCOMPATIBLE_PAIRS.labels(namespace, transfer).set(plan.incompatible_pairs)
+    TRANSPORT_FALLBACKS.labels(namespace, transfer).set(len(plan.fallbacks))
+    series = {(p.decode_engine, p.prefill_engine, t) for p in plan.pairs for t in p.transports}
+    for gone in _pair_transport_series.get((namespace, transfer), set()) - series:
+        _remove(PAIR_TRANSPORT, namespace, transfer, *gone)
+    for labels in series:
+        PAIR_TRANSPORT.labels(namespace, transfer, *labels).set(1)
+    _pair_transport_series[(namespace, transfer)] = series
 
 
 def record_conditions(namespace: str, transfer: str,
@@ -103,6 +122,9 @@ def forget(namespace: str, transfer: str) -> None:
     for state in PairState:
         _remove(PAIRS, namespace, transfer, str(state))
     _remove(INCOMPATIBLE_PAIRS, namespace, transfer)
+    _remove(TRANSPORT_FALLBACKS, namespace, transfer)
+    for labels in _pair_transport_series.pop((namespace, transfer), set()):
+        _remove(PAIR_TRANSPORT, namespace, transfer, *labels)
     for condition in CONDITIONS:
         _remove(TRANSFER_CONDITION, namespace, transfer, condition)
 

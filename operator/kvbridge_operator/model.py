@@ -78,6 +78,17 @@ class Pair:
     decode_engine: str
     prefill_engine: str
     state: PairState
+    #: UCX transports its decode ranks report for their prefill peers, sorted
+    transports: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TransportFallback:
+    """A verified rank pair whose reported transport the KVTransfer does not accept."""
+
+    endpoint: str  # the reporting (decode) rank's KVEndpoint
+    peer: str  # the prefill rank's KVEndpoint
+    transport: str
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,7 @@ class Plan:
     incompatible_pairs: int  # (decode engine, prefill engine) pairs failing a rule
     conditions: tuple[DesiredCondition, ...]
     summary: str
+    fallbacks: tuple[TransportFallback, ...] = ()  # sorted by (endpoint, peer)
 
     def endpoint(self, name: str) -> EndpointPlan:
         return next(e for e in self.endpoints if e.name == name)

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 
 from kvbridge_agent.geometry import handshake_target_ranks
+from kvbridge_agent.rules import transport_accepted
 
 from .compatibility import Candidates, classify
 from .conditions import desired_conditions
@@ -37,6 +39,7 @@ from .model import (  # re-exported: the planner's public output types
     Plan,
     Problem,
     RoleCounts,
+    TransportFallback,
     endpoint_field,
 )
 from .pairing import assign
@@ -52,6 +55,7 @@ __all__ = [
     "Plan",
     "Problem",
     "RoleCounts",
+    "TransportFallback",
     "endpoint_field",
     "plan",
 ]
@@ -70,7 +74,39 @@ def plan(
     assignment = assign(transfer, usable.decode, usable.prefill, node_labels or {})
     pairs = _peers_and_handshakes(usable.decode, usable.prefill, assignment, v,
                                   push=transfer.mode == "push")  # fmt: skip
-    return _finish(transfer, eps, v, engines, pairs, usable.incompatible_pairs)
+    pairs, fallbacks = _transports(pairs, usable.decode, usable.prefill, assignment,
+                                   transfer.accepted_transports)  # fmt: skip
+    return _finish(transfer, eps, v, engines, pairs, usable.incompatible_pairs, fallbacks)
+
+
+def _transports(
+    pairs: list[Pair],
+    usable_d: dict[str, tuple[Engine, Candidates]],
+    usable_p: dict[str, Engine],
+    assignment: dict[str, list[str]],
+    accepted: tuple[str, ...],
+) -> tuple[list[Pair], list[TransportFallback]]:
+    """Each pair's transports, from its decode ranks' successful handshakes at the prefill
+    ranks' current epochs, and the rank pairs whose transport ``accepted`` leaves out."""
+    fallbacks: list[TransportFallback] = []
+    seen: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for d_id, (d, _) in usable_d.items():
+        for e in d.ranks:
+            reported = {(h.peer, h.epoch): h for h in e.handshakes if h.succeeded}
+            for p_id in assignment[d_id]:
+                p = usable_p[p_id]
+                for t in handshake_target_ranks(e.tp_rank, d.tp_size, p.tp_size):
+                    pe = p.ranks[t]
+                    h = reported.get((pe.name, pe.epoch))
+                    if h is None or not h.transport:
+                        continue
+                    seen[(d_id, p_id)].add(h.transport)
+                    if not transport_accepted(h.transport, accepted):
+                        fallbacks.append(TransportFallback(e.name, pe.name, h.transport))
+    with_transports = [replace(p, transports=tuple(sorted(seen[(p.decode_engine,
+                                                                p.prefill_engine)])))
+                       for p in pairs]  # fmt: skip
+    return with_transports, sorted(fallbacks, key=lambda f: (f.endpoint, f.peer))
 
 
 def _peers_and_handshakes(
@@ -226,6 +262,7 @@ def _finish(
     engines: dict[str, dict[str, Engine]],
     pairs: list[Pair],
     incompatible_pairs: int,
+    fallbacks: list[TransportFallback],
 ) -> Plan:
     for e in eps:  # anything not decided yet (cannot happen today; keeps the plan total)
         if e.name not in v.items:
@@ -234,7 +271,8 @@ def _finish(
     decode = _counts(DECODE, eps, v, _compatible_engines(engines[DECODE], v))
     problems = sorted(v.problems, key=lambda p: p.endpoint)
     plans = [v.items[e.name] for e in eps]
-    conditions = desired_conditions(transfer, eps, plans, problems, prefill, decode, pairs)
+    conditions = desired_conditions(transfer, eps, plans, problems, prefill, decode, pairs,
+                                    fallbacks)  # fmt: skip
     verified = sum(p.state is PairState.VERIFIED for p in pairs)
     summary = f"{prefill.engines} prefill / {decode.engines} decode engines, "
     summary += f"{verified}/{len(pairs)} pairs verified"
@@ -255,4 +293,5 @@ def _finish(
         incompatible_pairs=incompatible_pairs,
         conditions=conditions,
         summary=summary[:1000],
+        fallbacks=tuple(fallbacks),
     )

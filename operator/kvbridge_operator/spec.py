@@ -7,6 +7,7 @@ example created while the webhook was down); its message names the field.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -27,6 +28,8 @@ from .config import DECODE, PREFILL
 from .errors import SpecError
 
 _MISSING = object()
+#: spec.transport.accepted items (the CRD's pattern): UCX transport names and families.
+_TRANSPORT_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
 
 def _get(
@@ -86,6 +89,7 @@ class Handshake:
     epoch: int
     succeeded: bool
     message: str = ""
+    transport: str = ""  # UCX transport(s) the agent saw UCX select; "" when not reported
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,7 @@ def parse_endpoint(body: Mapping[str, Any]) -> Endpoint:
                 epoch=_get(h, "epoch", hp, int),
                 succeeded=state == "Succeeded",
                 message=_get(h, "message", hp, str, ""),
+                transport=_get(h, "transport", hp, str, ""),
             )
         )
     own = {k: v for k, v in status.items() if k != "handshakes"}
@@ -272,6 +277,7 @@ class Transfer:
     topology_key: str = ""
     prefill_per_decode: int = 1
     enforce_hash: bool = True
+    accepted_transports: tuple[str, ...] = ()  # empty: any transport is accepted
 
     def role(self, role: str) -> RoleSpec:
         return self.prefill if role == PREFILL else self.decode
@@ -319,6 +325,12 @@ def parse_transfer(body: Mapping[str, Any]) -> Transfer:
     spec = _get(body, "spec", "", Mapping)
     pairing = spec.get("pairing") or {}
     compat = spec.get("compatibility") or {}
+    transport = _get(spec, "transport", "spec", Mapping, {})
+    accepted = _get(transport, "accepted", "spec.transport", list, [])
+    for i, name in enumerate(accepted):
+        if not isinstance(name, str) or not _TRANSPORT_NAME.match(name):
+            raise SpecError(f"spec.transport.accepted[{i}]",
+                            "a UCX transport name such as cma, tcp, rc or cuda_ipc", name)
     return Transfer(
         name=meta.get("name", ""),
         namespace=meta.get("namespace", ""),
@@ -332,4 +344,5 @@ def parse_transfer(body: Mapping[str, Any]) -> Transfer:
         topology_key=_get(pairing, "topologyKey", "spec.pairing", str, ""),
         prefill_per_decode=_get(pairing, "prefillPerDecode", "spec.pairing", int, 1),
         enforce_hash=_get(compat, "enforceHash", "spec.compatibility", bool, True),
+        accepted_transports=tuple(accepted),
     )

@@ -27,6 +27,8 @@ MAX_ENDPOINT_MESSAGE = 4000  # schema: 4096
 MAX_CONDITION_MESSAGE = 4096
 MAX_PROBLEM_MESSAGE = 1024
 MAX_PROBLEM_FIELD = 256
+MAX_PAIR_TRANSPORTS = 3  # status.pairs.items[].transports maxItems
+MAX_TRANSPORT_NAME = 32  # ... and each one's maxLength
 
 
 def now_rfc3339() -> str:
@@ -90,6 +92,9 @@ def transfer_status(
                     "decodeEngine": p.decode_engine,
                     "prefillEngine": p.prefill_engine,
                     "state": str(p.state),
+                    **({"transports": [t[:MAX_TRANSPORT_NAME]
+                                       for t in p.transports[:MAX_PAIR_TRANSPORTS]]}
+                       if p.transports else {}),
                 }
                 for p in plan.pairs[:MAX_PAIRS_LISTED]
             ],

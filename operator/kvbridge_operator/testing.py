@@ -143,7 +143,8 @@ def engine_manifests(engine_id: str, role: str, tp_size: int = 1, **kw: Any) -> 
     ]
 
 
-def handshake(peer: str, epoch: int, ok: bool = True, message: str = "") -> dict[str, Any]:
+def handshake(peer: str, epoch: int, ok: bool = True, message: str = "",
+              transport: str = "") -> dict[str, Any]:  # fmt: skip
     """One ``status.handshakes`` entry as the agent writes it."""
     entry: dict[str, Any] = {
         "peer": peer,
@@ -153,6 +154,9 @@ def handshake(peer: str, epoch: int, ok: bool = True, message: str = "") -> dict
     }
     if message:  # the agent leaves an empty message out
         entry["message"] = message
+    if transport:  # ... and reports the transport of succeeded ones
+        entry["transport"] = transport
+        entry["transportDetail"] = f"{transport}/dev0"
     return entry
 
 

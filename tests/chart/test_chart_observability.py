@@ -32,6 +32,7 @@ pytestmark = needs_helm
 
 ALERTS = {
     "KVBridgeTransferDegraded", "KVBridgeTransferNotReady", "KVBridgeIncompatibleEndpoints",
+    "KVBridgeTransportFallback",
     "KVBridgeHandshakeFailures", "KVBridgeTransferFailures", "KVBridgeLateReads",
     "KVBridgeOperatorAbsent",
     "KVBridgeOperatorNotReconciling", "KVBridgeRouterNoVerifiedPair", "KVBridgeRouterFailures",
@@ -128,6 +129,8 @@ def test_dashboard_covers_the_topology_handshakes_transfers_and_operator() -> No
         "kvbridge_admission_refusals", "kvbridge_agent_info", "kvbridge_router_requests",
         "kvbridge_router_retries", "kvbridge_router_verified_pairs",
         "kvbridge_router_time_to_first_token_seconds", "kvbridge_router_info",
+        "kvbridge_pair_transport", "kvbridge_transport_fallback_pairs",
+        "kvbridge_agent_peer_transport",
     } <= used
     dash = json.loads(DASHBOARD.read_text())
     names = [v["name"] for v in dash["templating"]["list"]]

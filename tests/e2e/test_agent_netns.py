@@ -69,6 +69,10 @@ def test_transfer_across_veth_and_link_cut_fails_cleanly(cluster, api: Api, ns: 
         d.start()
         wait_for(lambda: handshakes_ok(d) and handshakes_ok(p), timeout=60, what="preflight")
         assert api.endpoint(ns, "p-0")["spec"]["sideChannel"]["host"] == netns["pip"]
+        # The transport UCX picked is reported per peer, down to the interface it crosses.
+        [hs] = wait_for(lambda: (api.endpoint(ns, "d-0").get("status") or {}).get("handshakes"),
+                        timeout=30, what="the decode's handshake published")  # fmt: skip
+        assert (hs["transport"], hs["transportDetail"]) == ("tcp", f"tcp/{netns['ddev']}")
         p.call("hold", request_ids=["n1"])
         res = d.call("pull", request_id="n1", remote_engine_id="P", local_block_ids=LOCAL,
                      remote_block_ids=REMOTE, verify_seed=SEED, timeout_s=10.0)

@@ -10,6 +10,7 @@ import pytest
 
 from kvbridge_operator import status as st
 from kvbridge_operator import testing as T
+from kvbridge_operator.errors import SpecError
 from kvbridge_operator.planner import EndpointState, PairState, Plan, endpoint_field, plan
 from kvbridge_operator.spec import Endpoint, Transfer, parse_endpoint, parse_transfer
 
@@ -35,16 +36,19 @@ def write_back(p: Plan, eps: list[Endpoint]) -> list[Endpoint]:
     return [dataclasses.replace(e, status=st.endpoint_status(verdicts[e.name], e)) for e in eps]
 
 
-def handshakes_done(p: Plan, eps: list[Endpoint], ok: bool = True) -> list[Endpoint]:
-    """The decode agents report a handshake with every assigned peer."""
+def handshakes_done(p: Plan, eps: list[Endpoint], ok: bool = True,
+                    transports: dict[str, str] | None = None) -> list[Endpoint]:  # fmt: skip
+    """The decode agents report a handshake with every assigned peer (over the transport
+    ``transports`` names for the decode endpoint, if any)."""
     out = []
     for e in eps:
         v = p.endpoint(e.name)
         if e.role == "decode" and v.peers:
+            tl = (transports or {}).get(e.name, "")
             hs = tuple(parse_endpoint({**T.endpoint_manifest(e.name, role="decode",
                                                              engine_id="x"),
                                        "status": {"handshakes": [
-                                           T.handshake(x.name, x.epoch, ok, "boom")
+                                           T.handshake(x.name, x.epoch, ok, "boom", tl)
                                            for x in v.peers]}}).handshakes)  # fmt: skip
             e = dataclasses.replace(e, handshakes=hs)
         out.append(e)
@@ -230,6 +234,75 @@ class TestHandshakes:
         assert cond(p, "HandshakesVerified") == ("False", "HandshakeFailed")
         assert cond(p, "Degraded") == ("True", "HandshakeFailed")
         assert "boom" in p.endpoint("d0-0").message
+
+
+class TestTransports:
+    """Pairs carry the transports their decode ranks report; a transport outside
+    spec.transport.accepted degrades the KVTransfer, naming the rank pair."""
+
+    eps = engines("p", "prefill", 1) + engines("d", "decode", 2)
+
+    def reported(self, t: Transfer, transports: dict[str, str]) -> Plan:
+        return plan(t, handshakes_done(plan(t, self.eps), self.eps, transports=transports))
+
+    def test_any_transport_is_accepted_by_default(self) -> None:
+        p = self.reported(transfer(), {"d0-0": "cma", "d1-0": "tcp"})
+        assert [x.transports for x in p.pairs] == [("cma",), ("tcp",)]
+        assert p.fallbacks == () and cond(p, "Degraded") == ("False", "AsExpected")
+        written = st.transfer_status(p, None, generation=1, now="t")["pairs"]["items"]
+        assert [i["transports"] for i in written] == [["cma"], ["tcp"]]
+
+    def test_a_pair_over_a_transport_not_accepted_degrades_naming_it(self) -> None:
+        t = transfer(transport={"accepted": ["cma", "rc"]})
+        p = self.reported(t, {"d0-0": "rc_mlx5", "d1-0": "tcp"})
+        assert [(f.endpoint, f.peer, f.transport) for f in p.fallbacks] == [
+            ("d1-0", "p0-0", "tcp")]
+        status, reason = cond(p, "Degraded")
+        assert (status, reason) == ("True", "TransportFallback")
+        message = next(c.message for c in p.conditions if c.type == "Degraded")
+        assert "d1-0 <- p0-0 over tcp" in message and "[cma, rc]" in message
+        assert cond(p, "Ready") == ("True", "AllPairsVerified")  # slower, not broken
+        assert "TransportFallback" in p.summary
+
+    def test_unknown_and_unreported_transports_are_never_a_fallback(self) -> None:
+        t = transfer(transport={"accepted": ["cma"]})
+        p = self.reported(t, {"d0-0": "unknown"})
+        assert p.fallbacks == () and cond(p, "Degraded") == ("False", "AsExpected")
+        assert [x.transports for x in p.pairs] == [("unknown",), ()]
+
+    def test_a_report_at_an_old_epoch_does_not_count(self) -> None:
+        t = transfer(transport={"accepted": ["cma"]})
+        verified = handshakes_done(plan(t, self.eps), self.eps, transports={"d0-0": "tcp"})
+        restarted = [dataclasses.replace(e, epoch=9) if e.role == "prefill" else e
+                     for e in verified]  # fmt: skip
+        assert plan(t, restarted).fallbacks == ()
+
+    @pytest.mark.parametrize("bad", ["TCP", "", "rc mlx5", 7])
+    def test_accepted_names_are_checked(self, bad: Any) -> None:
+        with pytest.raises(SpecError) as err:
+            transfer(transport={"accepted": ["cma", bad]})
+        assert err.value.path == "spec.transport.accepted[1]"
+
+    def test_metrics_follow_the_pairs_transports(self) -> None:
+        from prometheus_client import REGISTRY
+
+        from kvbridge_operator import metrics
+
+        def value(name: str, **labels: str) -> float | None:
+            return REGISTRY.get_sample_value(name, {"namespace": "ns", "transfer": "tm",
+                                                    **labels})  # fmt: skip
+
+        t = transfer(transport={"accepted": ["cma"]})
+        metrics.record("ns", "tm", self.reported(t, {"d0-0": "cma", "d1-0": "tcp"}))
+        pair = {"decode_engine": "d1", "prefill_engine": "p0"}
+        assert value("kvbridge_pair_transport", **pair, transport="tcp") == 1
+        assert value("kvbridge_transport_fallback_pairs") == 1
+        metrics.record("ns", "tm", self.reported(t, {"d0-0": "cma", "d1-0": "cma"}))
+        assert value("kvbridge_pair_transport", **pair, transport="tcp") is None
+        assert value("kvbridge_pair_transport", **pair, transport="cma") == 1
+        assert value("kvbridge_transport_fallback_pairs") == 0
+        metrics.forget("ns", "tm")
+        assert value("kvbridge_pair_transport", **pair, transport="cma") is None
 
 
 class TestPushHandshakes:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvbridge_agent.service import HANDSHAKE_MESSAGE_MAX, PeerReport
+from kvbridge_agent.service import HANDSHAKE_MESSAGE_MAX, TRANSPORT_MAX, PeerReport
 from kvbridge_operator import admission, limits, status
 from kvbridge_operator import testing as T
 from kvbridge_operator.model import EndpointPlan, EndpointState, Peer
@@ -119,11 +119,20 @@ def test_operator_and_agent_cut_messages_to_the_schema_bounds() -> None:
     assert _bound(t, "status.incompatible.*.field", "maxLength") == status.MAX_PROBLEM_FIELD
     assert _bound(t, "status.pairs.items", "maxItems") == status.MAX_PAIRS_LISTED
     assert _bound(t, "status.incompatible", "maxItems") == status.MAX_PROBLEMS_LISTED
+    pair = "status.pairs.items.*.transports"
+    assert _bound(t, pair, "maxItems") == status.MAX_PAIR_TRANSPORTS
+    assert _bound(t, f"{pair}.*", "maxLength") == status.MAX_TRANSPORT_NAME
+    assert _bound("kvendpoints", "status.handshakes.*.transport", "maxLength") == TRANSPORT_MAX
+    detail = _bound("kvendpoints", "status.handshakes.*.transportDetail", "maxLength")
+    assert detail == HANDSHAKE_MESSAGE_MAX
     assert _bound("kvendpoints", "status.message", "maxLength") >= status.MAX_ENDPOINT_MESSAGE
     bound = _bound("kvendpoints", "status.handshakes.*.message", "maxLength")
     assert bound == HANDSHAKE_MESSAGE_MAX
     report = PeerReport("p-0", "engine-p", 1, False, message="x" * 10_000)
     assert len(report.to_status()["message"]) == bound
+    long = PeerReport("p-0", "engine-p", 1, True, transport="t" * 500, transport_detail="d" * 9999)
+    assert len(long.to_status()["transport"]) == TRANSPORT_MAX
+    assert len(long.to_status()["transportDetail"]) == bound
 
 
 def test_transfer_update_that_keeps_the_spec_is_always_admitted() -> None:

@@ -8,6 +8,7 @@ Reading order (one job per module):
                         registrations, prepared lists, peers, transfers, notifications
 - :mod:`._local`         :class:`LocalEngine`: this engine's registered plan + local lists
 - :mod:`._remote`        :class:`RemoteEngine`: a remote rank's geometry (from v11 metadata)
+- :mod:`._transport`     which UCX transport reaches each peer (UCX's protocol tables)
 - :mod:`._peers`         remote agents and the lists prepared against them (stale drop)
 - :mod:`._readplan`      pure id planning of a pull (group-matched / region-mapped)
 - :mod:`._coalesce`      merging of descriptors adjacent on both sides
@@ -79,6 +80,8 @@ from ._pull import DEFAULT_COALESCE, PullEngine, PullRequest
 from ._push import PushEngine, PushRequest
 from ._readplan import ReadIds, plan_read_ids
 from ._remote import RemoteEngine
+from ._transport import UNKNOWN as UNKNOWN_TRANSPORT
+from ._transport import PeerTransport, transport_accepted
 
 __all__ = [
     "CPU_TEST_MEM_TYPES",
@@ -87,6 +90,7 @@ __all__ = [
     "HEARTBEAT_PREFIX",
     "LOCAL_AGENT",
     "PRODUCTION_MEM_TYPES",
+    "UNKNOWN_TRANSPORT",
     "AgentConfig",
     "Completion",
     "CompletionTracker",
@@ -103,6 +107,7 @@ __all__ = [
     "NixlCallError",
     "NixlUnavailableError",
     "NotificationError",
+    "PeerTransport",
     "PollResult",
     "PullEngine",
     "PullRequest",
@@ -125,4 +130,5 @@ __all__ = [
     "load_nixl",
     "parse_notification",
     "plan_read_ids",
+    "transport_accepted",
 ]

@@ -36,6 +36,7 @@ from ._errors import (
 )
 from ._loader import NixlModule, load_nixl
 from ._memtypes import PRODUCTION_MEM_TYPES, MemTypeMap
+from ._transport import PeerTransport, ProtoInfoLog
 
 __all__ = ["LOCAL_AGENT", "AgentConfig", "DList", "NixlAgent", "XferHandle", "XferState"]
 
@@ -144,6 +145,8 @@ class NixlAgent:
     ) -> None:
         self.name = name
         self.config = config or AgentConfig()
+        self._proto = ProtoInfoLog.enable()  # before UCX first initialises in this process
+        self._transports: dict[str, PeerTransport] = {}
         self._nixl = nixl or load_nixl()
         self._registrations: list[tuple[str, Any]] = []
         self._dlists: list[DList] = []
@@ -269,10 +272,19 @@ class NixlAgent:
         """
         self._check_open()
         with nixl_call("add_remote_agent", FailureCause.SETUP):
-            name = self._agent.add_remote_agent(bytes(metadata))
+            name, transport = self._proto.load_peer(
+                self.name, lambda: self._agent.add_remote_agent(bytes(metadata)))
         peer = name.decode() if isinstance(name, bytes | bytearray) else str(name)
         self._remotes.add(peer)
+        self._transports[peer] = transport
+        log.info("NIXL agent %s reaches %s over %s (%s)", self.name, peer, transport.name,
+                 transport.detail)
         return peer
+
+    def transport_of(self, peer: str) -> PeerTransport | None:
+        """The UCX transport that carries transfers to a loaded ``peer`` (see
+        :mod:`._transport`); None for a peer not loaded."""
+        return self._transports.get(peer)
 
     def remove_remote(self, peer: str) -> None:
         """Forget a peer: release its prepared lists first, then remove it (idempotent)."""
@@ -281,6 +293,7 @@ class NixlAgent:
                 self.release_dlist(dl)
             except NixlCallError as exc:
                 log.warning("releasing a prepared list of removed peer %s failed: %s", peer, exc)
+        self._transports.pop(peer, None)
         if peer in self._remotes:
             self._remotes.discard(peer)
             with nixl_call(f"remove_remote_agent({peer})", FailureCause.SETUP):

@@ -54,6 +54,7 @@ Every wait has a deadline.
 from ._agent import AgentService
 from ._types import (
     HANDSHAKE_MESSAGE_MAX,
+    TRANSPORT_MAX,
     AgentClosedError,
     AgentError,
     AgentSettings,
@@ -70,6 +71,7 @@ from ._types import (
 
 __all__ = [
     "HANDSHAKE_MESSAGE_MAX",
+    "TRANSPORT_MAX",
     "AgentClosedError",
     "AgentError",
     "AgentService",

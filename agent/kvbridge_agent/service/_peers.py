@@ -37,6 +37,7 @@ from ._types import (
 )
 
 if TYPE_CHECKING:
+    from ..nixl import PeerTransport
     from ..protocol import Verdict
     from ..sidechannel import SideChannelClient
 
@@ -64,6 +65,7 @@ class _Peer:
     ref: PeerRef
     agent_name: str
     clock: ClockOffset | None = None
+    transport: PeerTransport | None = None
     loaded_at: float = field(default_factory=time.monotonic)
 
 
@@ -100,6 +102,10 @@ class PeerSet:
     def forget_all(self) -> None:
         """Forget every peer without unloading it (NIXL is being released)."""
         with self._core.lock:
+            for peer in self._peers.values():
+                if peer.transport is not None:
+                    with contextlib.suppress(KeyError):
+                        metrics.PEER_TRANSPORT.remove(peer.ref.name, peer.transport.name)
             self._peers.clear()
             metrics.PEERS.set(0)
 
@@ -187,24 +193,31 @@ class PeerSet:
         except Exception as exc:  # the peer may be dead; removal is best effort
             log.warning("removing NIXL remote %s failed: %s", peer.agent_name, exc)
         metrics.PEERS.set(len(self._peers))
+        if peer.transport is not None:
+            with contextlib.suppress(KeyError):
+                metrics.PEER_TRANSPORT.remove(peer.ref.name, peer.transport.name)
 
     # -- one handshake -----------------------------------------------------------------------
     def handshake(self, ref: PeerRef) -> PeerReport:
         """Fetch, validate and load ``ref``; see :meth:`AgentService.handshake`."""
         started = time.perf_counter()
         agent_name = ""
+        transport: PeerTransport | None = None
         try:
             meta, clock = self._fetch(ref)
             verdict = self._validate(meta, ref)
             if verdict.ok:
-                agent_name, stale = self._load(meta, ref, clock)
+                agent_name, stale, transport = self._load(meta, ref, clock)
                 result, message = ((HandshakeOutcome.STALE, stale) if stale
                                    else (HandshakeOutcome.SUCCEEDED, ""))
             else:
                 result, message = HandshakeOutcome.INCOMPATIBLE, verdict.summary(limit=5)
         except Exception as exc:
             result, message = _outcome_of(exc)
-        return self._report(ref, result, message, agent_name, time.perf_counter() - started)
+        report = self._report(ref, result, message, agent_name, time.perf_counter() - started)
+        if transport is None or not report.ok:
+            return report
+        return replace(report, transport=transport.name, transport_detail=transport.detail)
 
     def _fetch(self, ref: PeerRef) -> tuple[NixlAgentMetadata, ClockOffset]:
         """The peer's metadata from its side channel and its clock against ours (no lock
@@ -235,9 +248,10 @@ class PeerSet:
                                self._local_geometry(), mode=e.mode)
 
     def _load(self, meta: NixlAgentMetadata, ref: PeerRef, clock: ClockOffset | None = None
-              ) -> tuple[str, str]:  # fmt: skip
-        """Load the peer into NIXL; returns its agent name and, when it answered with
-        another epoch than assigned (then unloaded again), why it is stale."""
+              ) -> tuple[str, str, PeerTransport | None]:  # fmt: skip
+        """Load the peer into NIXL; returns its agent name, why it is stale when it answered
+        with another epoch than assigned (then unloaded again), and the UCX transport that
+        reaches it."""
         from ..nixl import RemoteEngine
 
         c = self._core
@@ -253,14 +267,17 @@ class PeerSet:
                 if ref.key in self._peers:
                     self._drop(ref.key, "re-handshake")
                 agent_name = c.agent.add_remote(bytes(meta.agent_metadata))
+            transport = c.agent.transport_of(agent_name)
             if ref.epoch is not None and not agent_name.endswith(f"-e{ref.epoch}"):
                 self._unload(ref, agent_name)
                 return agent_name, str(StalePeerError(
                     f"side channel {ref.host}:{ref.port} answered with NIXL agent "
-                    f"{agent_name!r}, not the assigned epoch {ref.epoch}"))
-            self._peers[ref.key] = _Peer(ref, agent_name, clock)
+                    f"{agent_name!r}, not the assigned epoch {ref.epoch}")), transport
+            self._peers[ref.key] = _Peer(ref, agent_name, clock, transport)
             metrics.PEERS.set(len(self._peers))
-        return agent_name, ""
+            if transport is not None:
+                metrics.PEER_TRANSPORT.labels(ref.name, transport.name).set(1)
+        return agent_name, "", transport
 
     def _unload(self, ref: PeerRef, agent_name: str) -> None:
         c = self._core

@@ -206,6 +206,8 @@ class PeerRef:
 
 #: ``status.handshakes[].message`` maxLength in the KVEndpoint CRD (a longer one is cut).
 HANDSHAKE_MESSAGE_MAX = 1024
+#: ``status.handshakes[].transport`` maxLength in the KVEndpoint CRD.
+TRANSPORT_MAX = 128
 
 
 @dataclass(frozen=True)
@@ -220,6 +222,9 @@ class PeerReport:
     reason: HandshakeOutcome = HandshakeOutcome.ERROR
     time: str = ""
     agent_name: str = ""
+    #: UCX transport(s) reaching the peer (``cma``, ``tcp``, ..., ``unknown``), and lanes
+    transport: str = ""
+    transport_detail: str = ""
 
     def to_status(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -229,6 +234,9 @@ class PeerReport:
         }
         if self.message:
             out["message"] = self.message[:HANDSHAKE_MESSAGE_MAX]
+        if self.transport:
+            out["transport"] = self.transport[:TRANSPORT_MAX]
+            out["transportDetail"] = self.transport_detail[:HANDSHAKE_MESSAGE_MAX]
         return out
 
 
