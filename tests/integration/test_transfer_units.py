@@ -40,7 +40,7 @@ def test_public_names_are_pinned():
         "DList",
         "DataPlaneError", "EngineFacts", "FailureCause", "Heartbeat", "HeartbeatSender",
         "LocalEngine", "LocalLists", "MemTypeMap", "NixlAgent", "NixlCallError",
-        "NixlUnavailableError", "NotificationError", "PollResult", "PullEngine",
+        "NixlUnavailableError", "NotificationError", "PeerTransport", "PollResult", "PullEngine",
         "PullRequest", "PushEngine", "PushRequest", "ReadIds", "ReleaseReason",
         "RemoteEngine", "RemoteNotFoundError", "RequestState", "TransferDone", "TransferEngine",
         "TransferFailure", "UnsupportedTransferError", "XferHandle", "XferState",

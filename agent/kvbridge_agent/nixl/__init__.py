@@ -80,8 +80,7 @@ from ._pull import DEFAULT_COALESCE, PullEngine, PullRequest
 from ._push import PushEngine, PushRequest
 from ._readplan import ReadIds, plan_read_ids
 from ._remote import RemoteEngine
-from ._transport import UNKNOWN as UNKNOWN_TRANSPORT
-from ._transport import PeerTransport, transport_accepted
+from ._transport import PeerTransport
 
 __all__ = [
     "CPU_TEST_MEM_TYPES",
@@ -90,7 +89,6 @@ __all__ = [
     "HEARTBEAT_PREFIX",
     "LOCAL_AGENT",
     "PRODUCTION_MEM_TYPES",
-    "UNKNOWN_TRANSPORT",
     "AgentConfig",
     "Completion",
     "CompletionTracker",
@@ -130,5 +128,4 @@ __all__ = [
     "load_nixl",
     "parse_notification",
     "plan_read_ids",
-    "transport_accepted",
 ]
