@@ -46,9 +46,9 @@ def agent_pod(name: str, role: str, image: str, *, engine_id: str | None = None,
                     {"name": "POD_UID", **field("metadata.uid")},
                     {"name": "POD_IP", **field("status.podIP")},
                     {"name": "NODE_NAME", **field("spec.nodeName")},
-                    # UCX may use every device the pod has; log which transport it picks.
+                    # UCX may use every device the pod has (the agent reports which
+                    # transport it picks in the KVEndpoint's status.handshakes).
                     {"name": "UCX_NET_DEVICES", "value": "all"},
-                    {"name": "UCX_PROTO_INFO", "value": "y"},
                     {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
                 ],
                 "ports": [{"name": "control", "containerPort": CONTROL_PORT},
@@ -111,32 +111,3 @@ class NodePod:
     def metrics_target(self) -> str:
         """host:port where Prometheus scrapes this pod's agent (the pod IP)."""
         return f"{self.ip}:{METRICS_PORT}"
-
-
-def ucx_read_transports(log: str) -> set[str]:
-    """Transports UCX chose for remote memory reads from another peer (UCX_PROTO_INFO=y):
-    the Config column of its "remote memory read" tables whose header is not the agent's own
-    loopback ("self" or "intra-node" endpoints of one process are where ``cma`` shows up)."""
-    found: set[str] = set()
-    header = ""
-    for line in log.splitlines():
-        cells = [c.strip() for c in line.split("|")[1:-1]]
-        if len(cells) == 1 and cells[0]:
-            header = cells[0] if "cfg#" in cells[0] else header + " " + cells[0]
-        elif len(cells) == 3 and "remote memory read" in header and "inter-node" in header:
-            transport = cells[2].split("/", 1)[0]
-            if "/" in cells[2] and transport:
-                found.add(transport)
-    return found
-
-
-def ucx_transports(log: str) -> set[str]:
-    """Transports named in UCX's protocol-selection report (UCX_PROTO_INFO=y), e.g. 'tcp'."""
-    known = {"tcp", "cma", "posix", "sysv", "xpmem", "knem", "self", "rc_mlx5", "rc_verbs",
-             "ud_verbs", "ud_mlx5", "dc_mlx5", "cuda_ipc", "cuda_copy", "gdr_copy"}
-    found = set()
-    for token in log.replace("|", " ").split():
-        head = token.split("/", 1)[0]
-        if "/" in token and head in known:
-            found.add(head)
-    return found

@@ -98,12 +98,11 @@ StartPod = Callable[[str, str, str, str, int], tuple[Any, str]]
 
 @dataclass
 class Stage:
-    """Where the demo runs: the control plane, how a serving pod starts, and what else there
-    is to say about a transfer on it (on a real node: the UCX transport that carried it)."""
+    """Where the demo runs: the control plane, how a serving pod starts and goes, where the
+    operator's metrics are, and (on a real node) vLLM serving pods."""
 
     cluster: kc.LocalCluster
     start_pod: StartPod
-    report_transfer: Callable[[], None] = lambda: None
     #: host:port of the operator's metrics, where this machine's Prometheus scrapes them
     operator_metrics: str = ""
     #: stop a serving pod's agent and delete its Pod (name, the start_pod handle)
@@ -198,7 +197,11 @@ def run(cleanup: list) -> int:
         f"descriptors in {res['parts']} parts (VRAM<-VRAM and DRAM<-VRAM), byte-exact; "
         f"median {statistics.median(rates):.2f} GB/s over {len(rates)} requests; "
         "prefill got every completion notification")
-    stage.report_transfer()
+    hs = custom.get_namespaced_custom_object("kvbridge.io", "v1alpha1", NS, "kvendpoints",
+                                             "decode-0")["status"]["handshakes"]
+    say("UCX reaches prefill-0 over " + ", ".join(
+        f"{h.get('transport', '?')} ({h.get('transportDetail', '')})" for h in hs)
+        + " (KVEndpoint decode-0 status.handshakes[].transport, as UCX selected it)")
     if prom is not None:
         show_targets(prom, 1 + len(started))
 
@@ -235,8 +238,6 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
         agent_pod,
         image_values,
         ready_pod,
-        ucx_read_transports,
-        ucx_transports,
     )
     from sim import wait_until
 
@@ -286,19 +287,13 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
         return handle, (f"container on {pod.spec.node_name}, pod IP {pod.status.pod_ip}, "
                         f"agent epoch {status['epoch']} side channel port {status['port']}")
 
-    def transports() -> None:
-        log = core.read_namespaced_pod_log("decode-0", NS)
-        say(f"UCX read the peer pod's memory over: {sorted(ucx_read_transports(log)) or '?'} "
-            f"(its remote-read protocol choice, UCX_PROTO_INFO=y; all transports it set up: "
-            f"{sorted(ucx_transports(log))}, cma among them only for the agent's own endpoints)")
-
     def delete_pod(name: str, _handle: Any) -> None:
         core.delete_namespaced_pod(name, NS, grace_period_seconds=0)
 
     # The host routes the pod network to the node: Prometheus here scrapes pod IPs directly.
     (operator,) = [p for p in core.list_namespaced_pod(SYS_NS).items
                    if p.status.phase == "Running"]
-    return Stage(cluster, start_pod, transports,
+    return Stage(cluster, start_pod,
                  operator_metrics=f"{operator.status.pod_ip}:{OPERATOR_METRICS_PORT}",
                  delete_pod=delete_pod,
                  serve_vllm=lambda: serve_vllm(cluster, images["KVB_IMAGE_VLLM"],

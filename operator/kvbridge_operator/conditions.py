@@ -10,6 +10,7 @@ few names, sorted, so they only change when the facts do.
 from __future__ import annotations
 
 from .config import DECODE
+from .eligibility import NODE_NOT_READY
 from .model import (
     DesiredCondition,
     EndpointPlan,
@@ -144,6 +145,12 @@ def desired_conditions(
         parts.append(("TransportFallback",
                       f"{len(fallbacks)} rank pair(s) use a transport outside "
                       f"spec.transport.accepted [{accepted}]: {shown}{more}"))
+    lost = [p for p in plans if p.reason == NODE_NOT_READY]
+    if lost:
+        nodes = sorted({e.node_name for e in eps if e.name in {p.name for p in lost}})
+        parts.append((NODE_NOT_READY,
+                      f"{len(lost)} endpoint(s) lost their pairs on node(s) not Ready "
+                      f"({_names(nodes)}): {_names([p.name for p in lost])}"))
     stale = prefill.stale + decode.stale
     if stale:
         parts.append(("StaleEndpoints", f"{stale} stale endpoint(s) superseded by newer epochs"))
@@ -157,7 +164,7 @@ def desired_conditions(
             "Degraded",
             "False",
             "AsExpected",
-            "no incompatible, stale or incomplete endpoints, no failed handshakes and no "
-            "transport fallback",
+            "no incompatible, stale or incomplete endpoints, no endpoint on a lost node, no "
+            "failed handshakes and no transport fallback",
         )
     return (geo, paired, hs, ready, degraded)

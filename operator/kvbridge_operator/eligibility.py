@@ -1,9 +1,9 @@
 """Planning step 1: which KVEndpoints can take part, and the engines they form.
 
-Exclusion (terminating, not selected), staleness (per engine rank only the highest epoch
-counts), checks against the KVTransfer itself (mode, TP size, protocol version, expected
-geometry) and engine completeness (every TP rank present). Every endpoint dropped here gets
-its verdict; what is left are complete engines per role. Pure.
+Exclusion (terminating, on a node that is not Ready, not selected), staleness (per engine
+rank only the highest epoch counts), checks against the KVTransfer itself (mode, TP size,
+protocol version, expected geometry) and engine completeness (every TP rank present). Every
+endpoint dropped here gets its verdict; what is left are complete engines per role. Pure.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from kvbridge_agent.protocol import EngineGeometry
 from .config import DECODE, PREFILL
 from .model import EndpointPlan, EndpointState, Problem, endpoint_field
 from .spec import Endpoint, Transfer
+
+#: Reason of endpoints excluded because their node is not Ready.
+NODE_NOT_READY = "NodeNotReady"
 
 
 @dataclass(frozen=True)
@@ -54,20 +57,25 @@ class Verdicts:
 
 
 def eligible_engines(
-    transfer: Transfer, eps: list[Endpoint], v: Verdicts
+    transfer: Transfer, eps: list[Endpoint], v: Verdicts, lost_nodes: frozenset[str] = frozenset()
 ) -> dict[str, dict[str, Engine]]:
     """Complete engines per role; a verdict in ``v`` for every endpoint dropped."""
-    current = _drop_stale(_exclude(transfer, eps, v), v)
+    current = _drop_stale(_exclude(transfer, eps, v, lost_nodes), v)
     checked = [e for e in current if not _topology_check(transfer, e, v)]
     return _engines(transfer, checked, current, v)
 
 
-def _exclude(transfer: Transfer, eps: list[Endpoint], v: Verdicts) -> list[Endpoint]:
+def _exclude(transfer: Transfer, eps: list[Endpoint], v: Verdicts,
+             lost_nodes: frozenset[str]) -> list[Endpoint]:  # fmt: skip
     live = []
     for e in eps:
         selector = transfer.role(e.role).selector
         if e.deleting:
             v.set(e, EndpointState.EXCLUDED, "Terminating", "the endpoint is being deleted")
+        elif e.node_name and e.node_name in lost_nodes:
+            v.set(e, EndpointState.EXCLUDED, NODE_NOT_READY,
+                  f"node {e.node_name} is not Ready (its kubelet stopped reporting, or reports "
+                  "it unhealthy): no peers until it is Ready again")  # fmt: skip
         elif selector is not None and not selector.matches(e.label_map):
             v.set(
                 e,

@@ -98,13 +98,30 @@ def node_labels(name: str, labels: kopf.Labels, **_: Any) -> Any:
     return {name: dict(labels)}
 
 
+@kopf.index("v1", "nodes")
+def lost_nodes(name: str, status: kopf.Status, **_: Any) -> Any:
+    """Names of nodes whose Ready condition is False or Unknown: their endpoints get no peers.
+    (An empty mapping, not None, so a node that is Ready again leaves the index: kopf keeps an
+    object's old entries when its index function returns None.)"""
+    return {name: True} if node_lost(status) else {}
+
+
+def node_lost(status: Any) -> bool:
+    """True when the node reports a Ready condition that is not True (the kubelet stopped
+    posting status, or says it is not ready); a node without one yet is not judged."""
+    ready = [c for c in (status or {}).get("conditions") or () if c.get("type") == "Ready"]
+    return bool(ready) and ready[0].get("status") != "True"
+
+
 @kopf.on.event("v1", "nodes")
 def node_event(
-    name: str, labels: kopf.Labels, type: str | None, memo: kopf.Memo, **_: Any
+    name: str, labels: kopf.Labels, status: kopf.Status, type: str | None, memo: kopf.Memo,
+    **_: Any,
 ) -> None:
-    """Re-plan everything when a node's labels change (TopologyAware reads them)."""
+    """Re-plan everything when a node's labels (TopologyAware reads them) or readiness change."""
     rt = runtime.from_memo(memo)
-    if rt.node_changed(name, None if type == "DELETED" else dict(labels)):
+    deleted = type == "DELETED"
+    if rt.node_changed(name, None if deleted else dict(labels), not deleted and node_lost(status)):
         rt.loops.wake_all()
 
 
@@ -162,6 +179,7 @@ async def plan_transfer(
     stopped: kopf.DaemonStopped,
     endpoints_by_transfer: kopf.Index,
     node_labels: kopf.Index,
+    lost_nodes: kopf.Index,
     memo: kopf.Memo,
     **_: Any,
 ) -> None:
@@ -177,6 +195,7 @@ async def plan_transfer(
         body=body,
         endpoints=lambda: _endpoints(endpoints_by_transfer, namespace, name),
         nodes=lambda: {k: next(iter(v), {}) for k, v in node_labels.items()},
+        lost=lambda: frozenset(lost_nodes),
         stopped=stopped,
     )
 

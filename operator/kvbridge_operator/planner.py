@@ -65,11 +65,13 @@ def plan(
     transfer: Transfer,
     endpoints: Iterable[Endpoint],
     node_labels: Mapping[str, Mapping[str, str]] | None = None,
+    lost_nodes: frozenset[str] = frozenset(),
 ) -> Plan:
-    """Plan one KVTransfer; see the module docstring. Pure."""
+    """Plan one KVTransfer; see the module docstring. Endpoints on ``lost_nodes`` (Ready
+    condition not True) are excluded, so their pairs are dropped until the node is back. Pure."""
     v = Verdicts()
     eps = sorted((e for e in endpoints if e.transfer == transfer.name), key=lambda e: e.name)
-    engines = eligible_engines(transfer, eps, v)
+    engines = eligible_engines(transfer, eps, v, lost_nodes)
     usable = classify(engines, transfer, v)
     assignment = assign(transfer, usable.decode, usable.prefill, node_labels or {})
     pairs = _peers_and_handshakes(usable.decode, usable.prefill, assignment, v,

@@ -120,6 +120,7 @@ async def run(
     endpoints: Callable[[], Iterable[Endpoint]],
     nodes: Callable[[], Mapping[str, Mapping[str, str]]],
     stopped: Any,
+    lost: Callable[[], frozenset[str]] = frozenset,
 ) -> None:
     """The per-KVTransfer loop, registered in ``loops`` while it runs; returns when
     ``stopped`` (kopf's daemon flag) is set."""
@@ -136,7 +137,7 @@ async def run(
                     memory.checked = (loops.listings, time.monotonic())
                     await _check_ghosts(ctx, current)
                 current = [e for e in current if e.uid not in memory.ghosts]
-                await reconcile(ctx, body, current, nodes())
+                await reconcile(ctx, body, current, nodes(), lost())
             except Exception:
                 metrics.RECONCILES.labels("error").inc()
                 log.exception("planning KVTransfer %s/%s failed; retrying", *key)
@@ -203,6 +204,7 @@ async def reconcile(
     body: Mapping[str, Any],
     endpoints: list[Endpoint],
     nodes: Mapping[str, Mapping[str, str]],
+    lost_nodes: frozenset[str] = frozenset(),
 ) -> planner.Plan | None:
     """Plan once and write what changed. Returns the plan (None for an invalid spec)."""
     namespace, name, kube, memory = ctx.namespace, ctx.name, ctx.kube, ctx.memory
@@ -219,7 +221,7 @@ async def reconcile(
         metrics.record_conditions(namespace, name, new["conditions"])
         metrics.RECONCILES.labels("invalid").inc()
         return None
-    plan = planner.plan(transfer, endpoints, nodes)
+    plan = planner.plan(transfer, endpoints, nodes, lost_nodes)
     new = status.transfer_status(plan, old, generation=generation, now=now)
     by_name = {e.name: e for e in endpoints}
     semaphore = asyncio.Semaphore(ctx.settings.write_concurrency)

@@ -2,9 +2,10 @@
 
 Settings are read once (:func:`settings`), at import: they decide which admission handlers
 exist. The rest is made by the startup handler: the Kubernetes writer, the planning loops
-(each KVTransfer's wake-up event and write memory) and the node labels last seen, which the
-TopologyAware policy follows. Handlers take it from ``memo.runtime``; nothing else in the
-operator keeps state between calls (the Prometheus metrics aside).
+(each KVTransfer's wake-up event and write memory) and the node labels and readiness last
+seen, which the TopologyAware policy and node-loss handling follow. Handlers take it from
+``memo.runtime``; nothing else in the operator keeps state between calls (the Prometheus
+metrics aside).
 """
 
 from __future__ import annotations
@@ -33,22 +34,24 @@ class Runtime:
     settings: Settings
     kube: Kube
     loops: PlanningLoops = field(default_factory=PlanningLoops)
-    #: node name -> labels as last seen (a deleted node is forgotten)
-    nodes: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: node name -> (labels, lost) as last seen (a deleted node is forgotten)
+    nodes: dict[str, tuple[dict[str, str], bool]] = field(default_factory=dict)
 
     def tracked(self) -> dict[str, int]:
         """Sizes of the bookkeeping, for ``kvbridge_tracked_objects``."""
         return {**self.loops.tracked(), "nodes": len(self.nodes)}
 
-    def node_changed(self, name: str, labels: dict[str, str] | None) -> bool:
-        """Record node ``name``'s labels (None: deleted); True when a known node's labels
-        changed or it went away, which re-plans every KVTransfer."""
+    def node_changed(self, name: str, labels: dict[str, str] | None, lost: bool = False
+                     ) -> bool:  # fmt: skip
+        """Record node ``name``'s labels (None: deleted) and whether it is lost (its Ready
+        condition not True); True when a known node's labels or readiness changed or it went
+        away, which re-plans every KVTransfer."""
         seen = self.nodes.get(name)
         if labels is None:
             self.nodes.pop(name, None)
-        else:
-            self.nodes[name] = labels
-        return seen is not None and seen != labels
+            return seen is not None
+        self.nodes[name] = (labels, lost)
+        return seen is not None and seen != (labels, lost)
 
 
 def from_memo(memo: Any) -> Runtime:

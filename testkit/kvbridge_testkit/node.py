@@ -352,6 +352,18 @@ class RealNode:
         for cidr in (POD_CIDR, self.service_cidr):
             _sh("ip", "route", "add", cidr, "via", NODE_IP, "dev", HOST_VETH)
 
+    def stop_kubelet(self) -> None:
+        """Stop the kubelet alone (its pods keep running in containerd): the node goes
+        NotReady once the node controller's grace period passes, as on a real node whose
+        kubelet died."""
+        self._terminate("kubelet")
+
+    def start_kubelet(self) -> None:
+        """Start the kubelet again after :meth:`stop_kubelet`; it adopts the running pods."""
+        if "kubelet" in self._procs:
+            raise NodeError(f"the kubelet of {self.name} is running")
+        self._start_kubelet()
+
     def _spawn(self, name: str, cmd: list[str]) -> None:
         assert self.workdir is not None
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)

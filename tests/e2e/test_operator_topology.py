@@ -219,3 +219,50 @@ def test_topology_aware_pairing_follows_node_label_changes(api: Api, ns: str,
     api.core.patch_node(node_c, {"metadata": {"labels": {ZONE: "zone-b"}}})
     wait_for(lambda: pairs() == {"dc": "pb"}, what="dc back in zone-b")
     assert [p["name"] for p in api.endpoint(ns, "dc-0")["status"]["peers"]] == ["pb-0"]
+
+
+def _set_ready(api: Api, node: str, ready: bool) -> None:
+    """What a kubelet posts (or the node controller, once the kubelet went silent)."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    condition = {"type": "Ready", "status": "True" if ready else "Unknown",
+                 "reason": "KubeletReady" if ready else "NodeStatusUnknown",
+                 "message": "test", "lastHeartbeatTime": now, "lastTransitionTime": now}
+    api.core.patch_node_status(node, {"status": {"conditions": [condition]}})
+
+
+def test_a_lost_node_drops_its_pairs_names_them_and_they_reform_when_it_is_back(
+        api: Api, ns: str, node_c: str) -> None:  # fmt: skip
+    def pairs() -> set[tuple[str, str]]:
+        items = api.transfer(ns)["status"]["pairs"]["items"]
+        return {(p["decodeEngine"], p["prefillEngine"]) for p in items}
+
+    api.create_transfer(ns, pairing={"policy": "TopologyAware", "topologyKey": ZONE})
+    api.start_engine(ns, "pa", "prefill", node="node-a")  # zone-a
+    api.start_engine(ns, "pc", "prefill", node=node_c)    # zone-b
+    api.start_engine(ns, "da", "decode", node="node-a")
+    api.start_engine(ns, "dc", "decode", node=node_c)
+    wait_for(lambda: pairs() == {("da", "pa"), ("dc", "pc")}, what="a pair per zone")
+    api.report_handshakes(ns)
+    api.wait_condition(ns, "Ready", "True", timeout=30)
+
+    _set_ready(api, node_c, False)
+    degraded = api.wait_condition(ns, "Degraded", "True", reason="NodeNotReady", timeout=30)
+    assert (f"2 endpoint(s) lost their pairs on node(s) not Ready ({node_c}): dc-0, pc-0"
+            in degraded["message"])
+    wait_for(lambda: pairs() == {("da", "pa")}, what="only the pair on the Ready node left")
+    assert api.condition(ns, "Ready")["status"] == "True"  # what is left is verified
+    for name in ("dc-0", "pc-0"):
+        st = api.endpoint(ns, name)["status"]
+        assert (st["state"], st["reason"], st.get("peers") or []) == (
+            "Excluded", "NodeNotReady", [])
+    assert [p["name"] for p in api.endpoint(ns, "pa-0")["status"]["peers"]] == ["da-0"]
+    events = wait_for(lambda: [e for e in api.core.list_namespaced_event(ns).items
+                               if e.reason == "NodeNotReady"], timeout=30,
+                      what="a NodeNotReady event")  # fmt: skip
+    assert events[0].type == "Warning"
+
+    _set_ready(api, node_c, True)
+    wait_for(lambda: pairs() == {("da", "pa"), ("dc", "pc")}, what="the lost pair re-formed")
+    api.report_handshakes(ns)
+    api.wait_condition(ns, "Degraded", "False", reason="AsExpected", timeout=30)
+    api.wait_condition(ns, "Ready", "True", timeout=30)

@@ -236,6 +236,41 @@ class TestHandshakes:
         assert "boom" in p.endpoint("d0-0").message
 
 
+class TestLostNodes:
+    """Endpoints on a node that is not Ready lose their pairs; the others keep theirs."""
+
+    def eps(self) -> list[Endpoint]:
+        out = []
+        for name, role, engine, node in (("p-a", "prefill", "PA", "node-a"),
+                                         ("p-b", "prefill", "PB", "node-b"),
+                                         ("d-a", "decode", "DA", "node-a"),
+                                         ("d-b", "decode", "DB", "node-b")):  # fmt: skip
+            manifest = T.endpoint_manifest(name, role=role, engine_id=engine)
+            manifest["spec"]["nodeName"] = node
+            out.append(parse_endpoint(manifest))
+        return out
+
+    def test_pairs_on_a_lost_node_are_dropped_and_named_then_reform(self) -> None:
+        t = transfer()
+        eps = self.eps()
+        healthy = plan(t, handshakes_done(plan(t, eps), eps))
+        assert len(healthy.pairs) == 2 and cond(healthy, "Ready")[0] == "True"
+        lost = plan(t, handshakes_done(healthy, eps), lost_nodes=frozenset({"node-b"}))
+        assert [(x.decode_engine, x.prefill_engine) for x in lost.pairs] == [("DA", "PA")]
+        for name in ("p-b", "d-b"):
+            verdict = lost.endpoint(name)
+            assert (verdict.state, verdict.reason, verdict.peers) == (
+                EndpointState.EXCLUDED, "NodeNotReady", ())
+            assert "node node-b is not Ready" in verdict.message
+        status, reason = cond(lost, "Degraded")
+        assert (status, reason) == ("True", "NodeNotReady")
+        message = next(c.message for c in lost.conditions if c.type == "Degraded")
+        assert "2 endpoint(s) lost their pairs on node(s) not Ready (node-b): d-b, p-b" in message
+        assert cond(lost, "Ready") == ("True", "AllPairsVerified")  # the rest keeps serving
+        back = plan(t, handshakes_done(plan(t, eps), eps))
+        assert len(back.pairs) == 2 and cond(back, "Degraded") == ("False", "AsExpected")
+
+
 class TestTransports:
     """Pairs carry the transports their decode ranks report; a transport outside
     spec.transport.accepted degrades the KVTransfer, naming the rank pair."""
