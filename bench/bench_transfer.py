@@ -20,15 +20,18 @@ unsplit request; a small request (2 scattered 4 KiB blocks in each of 61 regions
 where the agent's fixed per-request cost shows (its lines add the median
 microseconds per request of both contenders and their difference, and the notified line the
 notification's own cost, raw_notified - raw), and the same with 8 and
-32 blocks (2 MB, 8 MB) between it and the large cases. ``KVB_BENCH_CASES=a,b`` runs only
-those cases. Each shape's cases run with only their own producer process and consumer
-agents alive (idle NIXL agents' progress threads would otherwise share the 2 cores with the
-contenders). Buffers are pre-faulted. Output: JSON lines (bench/_common.py); higher
-``ratio`` is better for every line.
+32 blocks (2 MB, 8 MB) between it and the large cases; the pod-to-pod pull of tests/node
+(256 descriptors of 16 KiB, 4 MiB) over cma and over tcp (``UCX_TLS=tcp`` on both sides: the
+transport UCX falls back to between pods), with the ratio of the two.
+``KVB_BENCH_CASES=a,b`` runs only those cases. Each shape's cases run with only their own
+producer process and consumer agents alive (idle NIXL agents' progress threads would
+otherwise share the 2 cores with the contenders). Buffers are pre-faulted. Output: JSON lines
+(bench/_common.py); higher ``ratio`` is better for every line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing as mp
 import os
@@ -209,6 +212,8 @@ def measure_case(name, shape, dims, eid, consumers, pools, lids, rids) -> None:
         for key in order:
             runs[key].append(contenders[key]())
     gbps = {k: _median_rate(v, nbytes) for k, v in runs.items()}
+    if shape in TRANSPORTS or shape == "pod":
+        _POD_RATES[shape] = [gbps["agent"]]
 
     def ratio(a: str, b: str) -> float:
         """Median over reps of the paired speed ratio a/b (the two ran back to back)."""
@@ -276,12 +281,21 @@ CONSUMERS = {
     "large": {"large": ["VRAM"]},
     "ds": {"ds": ["VRAM"], "ds-mixed": ["VRAM", "DRAM"]},
     "small": {"small": ["VRAM"]},
+    "pod": {"pod": ["VRAM"]},
+    "pod-tcp": {"pod-tcp": ["VRAM"]},
 }
 SHAPES = {
     "large": (1, 64, 4 << 20),                      # one 256 MiB region
     "ds": (61, 128, 73_728),                        # DeepSeek-like, 576 MiB
     "small": (61, 64, 4096),                        # small blocks: fixed costs
+    "pod": (4, 64, 16_384),                         # the node test's pod-to-pod pull: 4 MiB
+    "pod-tcp": (4, 64, 16_384),                     # ... over TCP, as between two pods
 }
+#: UCX_TLS of both processes per shape: UCX picks TCP between pods on one node (each has a
+#: PID namespace of its own, so no cross-memory attach) and between nodes without RDMA.
+TRANSPORTS = {"pod-tcp": "tcp"}
+#: median GB/s of the agent per pod-pull shape, for the transport comparison
+_POD_RATES: dict[str, list[float]] = {}
 
 
 def cases() -> dict[str, tuple[str, np.ndarray, np.ndarray]]:
@@ -299,6 +313,10 @@ def cases() -> dict[str, tuple[str, np.ndarray, np.ndarray]]:
                              rng.choice(64, 8, replace=False)),
         "request_32_blocks": ("small", np.sort(rng.choice(64, 32, replace=False)),
                               rng.choice(64, 32, replace=False)),
+        # the pod-to-pod pull of tests/node (every block of 4 regions: 256 descriptors,
+        # 4 MiB), over cma and over tcp: where its time goes
+        "pod_pull_cma": ("pod", np.arange(64), np.arange(64)),
+        "pod_pull_tcp": ("pod-tcp", np.arange(64), np.arange(64)),
     }
 
 
@@ -310,16 +328,19 @@ def run_shape(shape: str, todo: dict[str, tuple[str, np.ndarray, np.ndarray]]) -
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_producer, args=(child, {shape: dims}), daemon=True)
-    proc.start()
-    if not conn.poll(120):
-        raise TimeoutError("producer did not start")
-    desc = conn.recv()[shape]
-    dst, src = Pool(*dims, fill=0), Pool(*dims, fill=3)   # src: the memcpy baseline's
-    consumers = {key: Consumer(key, dst, mem_types)
-                 for key, mem_types in CONSUMERS[shape].items()}
+    with _ucx_tls(TRANSPORTS.get(shape)):   # read by UCX when each side's agent starts
+        proc.start()
+        if not conn.poll(120):
+            raise TimeoutError("producer did not start")
+        desc = conn.recv()[shape]
+        dst, src = Pool(*dims, fill=0), Pool(*dims, fill=3)   # src: the memcpy baseline's
+        consumers = {key: Consumer(key, dst, mem_types)
+                     for key, mem_types in CONSUMERS[shape].items()}
     try:
         for c in consumers.values():
             c.engine.add_remote(desc)
+            transport = c.agent.transport_of(c.engine.peers.any_rank(desc.engine_id).agent_name)
+            print(f"# {shape}: UCX reaches the producer over {transport}", file=sys.stderr)
         conn.send(("add", [c.agent.metadata() for c in consumers.values()]))
         assert conn.poll(60) and conn.recv() == "ok"
         for name, (_, lids, rids) in todo.items():
@@ -335,6 +356,32 @@ def run_shape(shape: str, todo: dict[str, tuple[str, np.ndarray, np.ndarray]]) -
         proc.join(30)
 
 
+@contextlib.contextmanager
+def _ucx_tls(tls: str | None):
+    """UCX_TLS set to ``tls`` (unchanged when None) while the shape's agents start."""
+    saved = os.environ.get("UCX_TLS")
+    if tls is not None:
+        os.environ["UCX_TLS"] = tls
+    try:
+        yield
+    finally:
+        if tls is not None:
+            if saved is None:
+                os.environ.pop("UCX_TLS", None)
+            else:
+                os.environ["UCX_TLS"] = saved
+
+
+def emit_transport_ratio() -> None:
+    """The pod pull over tcp against the same pull over cma (both through the agent)."""
+    if {"pod", "pod-tcp"} <= set(_POD_RATES):
+        cma, tcp = (statistics.median(_POD_RATES[k]) for k in ("pod", "pod-tcp"))
+        emit("transfer.pod_pull.tcp_vs_cma", tcp, "GB/s",
+             "the same pull through the agent over cma (processes sharing a PID namespace)",
+             round(tcp / cma, 3), cma_gbps=round(cma, 3), higher_is_better=True,
+             ratio_is="ratio of the two medians, measured one after the other in this run")
+
+
 def main() -> None:
     t_start = time.monotonic()
     known = cases()
@@ -346,6 +393,7 @@ def main() -> None:
                 if case[0] == shape and (not CASES or name in CASES)}
         if todo:
             run_shape(shape, todo)
+    emit_transport_ratio()
     print(f"# bench_transfer took {time.monotonic() - t_start:.1f} s", file=sys.stderr)
 
 

@@ -98,8 +98,9 @@ def test_vllm_engines_as_pods_pair_preflight_and_serve(api: Api, ns: str,
     # Preflighted: the decode engine loaded the prefill before any request.
     assert decode.call({"cmd": "connector_state"})["remotes"] == [prefill.engine_id]
     status = api.endpoint(ns, "vllm-decode-0")["status"]
-    assert [(h["peer"], h["state"]) for h in status["handshakes"]] == [
-        ("vllm-prefill-0", "Succeeded")]
+    # Engines in one PID namespace: UCX reads the prefill's KV by cross-memory attach.
+    assert [(h["peer"], h["state"], h["transport"]) for h in status["handshakes"]] == [
+        ("vllm-prefill-0", "Succeeded", "cma")]
     assert status["peers"][0]["engineId"] == prefill.engine_id
 
     rng = random.Random(4)
@@ -142,8 +143,8 @@ def test_a_tp2_engine_publishes_each_rank_and_every_rank_preflights(
         status = api.endpoint(ns, f"vllm-decode-0-tp{rank}")["status"]
         assert [(p["name"], p["engineId"], p["tpRank"]) for p in status["peers"]] == [
             ("vllm-prefill-0", prefill.engine_id, 0)]
-        assert [(h["peer"], h["state"]) for h in status["handshakes"]] == [
-            ("vllm-prefill-0", "Succeeded")]
+        assert [(h["peer"], h["state"], h["transport"]) for h in status["handshakes"]] == [
+            ("vllm-prefill-0", "Succeeded", "cma")]
     state = decode.call({"cmd": "connector_state"})
     assert [r["remotes"] for r in state["ranks"]] == [[prefill.engine_id]] * 2
 

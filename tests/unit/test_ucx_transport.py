@@ -68,6 +68,14 @@ def test_tables_of_another_agent_in_the_process_are_not_taken_for_ours() -> None
     assert mine.name == UNKNOWN
 
 
+def test_a_long_agent_name_matches_the_31_characters_ucx_prints() -> None:
+    name = "decode-engine-tp0-e1796421496801"  # 32 characters: UCX prints 31 of them
+    tables = [ProtoTable(name[:31], "inter-node", 1, "remote memory read by ucp_get*",
+                         ("tcp/eth0",))]  # fmt: skip
+    got = TransportBook().transport_for(name, tables)
+    assert (got.name, got.detail, got.locality) == ("tcp", "tcp/eth0", "inter-node")
+
+
 def test_lines_around_the_tables_are_kept_and_partial_tables_are_safe() -> None:
     lines = [
         "[1796419362.1] [vm:1:0]   ucp_worker.c:1234 UCX  WARN  something odd",

@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 ucx_log = logging.getLogger("kvbridge.ucx")
 
 
+#: UCX keeps the first 31 characters of a context's name (UCP_ENTITY_NAME_MAX, with its NUL):
+#: ``decode-engine-tp0-e1796421496801`` is printed as ``decode-engine-tp0-e179642149680``.
+UCX_NAME_MAX = 31
 _PREFIX = re.compile(r"^\[[^\]]*\] \[[^\]]*\]\s*")
 _HEADER = re.compile(r"^\| (?P<agent>\S+) (?P<locality>self|intra-node|inter-node) "
                      r"cfg#(?P<config>\d+)\s*\|$")
@@ -154,6 +157,7 @@ class TransportBook:
 
     def transport_for(self, agent: str, printed: Iterable[ProtoTable]) -> PeerTransport:
         """The transport of a peer ``agent`` just loaded, given the tables printed meanwhile."""
+        agent = agent[:UCX_NAME_MAX]  # the name as UCX prints it
         named = [k for k in self.learn(printed) if k[0] == agent and k[1] != "self"]
         fresh = [k for k in named if self.configs.get(k)]
         if fresh:
