@@ -3,7 +3,8 @@
 Sticky first: a decode engine keeps the prefill engines it had (read from its endpoints'
 status) while they stay compatible, under the balance cap and, for TopologyAware, local
 when a local candidate exists. Then least-loaded fill, local candidates first, ties broken
-by engine id. Candidate lists are per decode class, so the cost stays linear in engines.
+by engine id; with ``topologyScope: Required`` local candidates only. Candidate lists are
+per decode class, so the cost stays linear in engines.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def assign(
 ) -> dict[str, list[str]]:
     """Decode engine id -> its assigned prefill engine ids, sorted (module docstring)."""
     topo_key = transfer.topology_key if transfer.policy == "TopologyAware" else ""
+    required = bool(topo_key) and transfer.topology_required
 
     def topo(e: Engine) -> str | None:
         node = e.ranks[0].node_name
@@ -73,7 +75,7 @@ def assign(
         w = where[d] = topo(engine)
         if (g.index, w) not in local_ids:
             local_ids[(g.index, w)] = [p for p in g.ids if w is not None and p_topo[p] == w]
-        has_local = bool(local_ids[(g.index, w)])
+        has_local = bool(local_ids[(g.index, w)]) or required
         for p in sorted({p for e in engine.ranks for p in e.previous_peer_engines}):
             if (
                 len(assigned[d]) < want[d]
@@ -89,7 +91,10 @@ def assign(
         while len(assigned[d]) < want[d]:
             taken = set(assigned[d])
             pick = heaps.best(("local", g.index, where[d]), local, taken) if local else None
-            if pick is None or load[pick] >= cap:
+            if required:  # only a local engine, even above the balance cap
+                if pick is None:
+                    break
+            elif pick is None or load[pick] >= cap:
                 alt = heaps.best(("any", g.index), g.ids, taken)
                 if pick is None or (alt is not None and load[alt] < load[pick]):
                     pick = alt

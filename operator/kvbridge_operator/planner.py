@@ -78,7 +78,33 @@ def plan(
                                   push=transfer.mode == "push")  # fmt: skip
     pairs, fallbacks = _transports(pairs, usable.decode, usable.prefill, assignment,
                                    transfer.accepted_transports)  # fmt: skip
+    if transfer.policy == "TopologyAware" and transfer.topology_required:
+        _explain_topology(transfer, usable.decode, v, node_labels or {})
     return _finish(transfer, eps, v, engines, pairs, usable.incompatible_pairs, fallbacks)
+
+
+def _explain_topology(
+    transfer: Transfer,
+    usable_d: dict[str, tuple[Engine, Candidates]],
+    v: Verdicts,
+    node_labels: Mapping[str, Mapping[str, str]],
+) -> None:
+    """Decode ranks left unpaired only because ``topologyScope: Required`` kept them in their
+    zone say so (they had compatible prefill engines elsewhere)."""
+    key = transfer.topology_key
+    for d, g in usable_d.values():
+        if not g.ids:
+            continue
+        for e in d.ranks:
+            verdict = v.items.get(e.name)
+            if verdict is None or verdict.state is not EndpointState.UNPAIRED:
+                continue
+            value = (node_labels.get(e.node_name) or {}).get(key) if e.node_name else None
+            where = f"{key}={value}" if value is not None else f"no {key} label on its node"
+            v.set(e, EndpointState.UNPAIRED, "NoPrefillInTopology",
+                  f"no compatible prefill engine shares its topology ({where}), and "
+                  "spec.pairing.topologyScope is Required: it is not paired across "
+                  f"{key} values ({len(g.ids)} compatible elsewhere)")  # fmt: skip
 
 
 def _transports(

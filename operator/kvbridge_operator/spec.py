@@ -275,6 +275,7 @@ class Transfer:
     decode: RoleSpec
     policy: str = "Balanced"
     topology_key: str = ""
+    topology_required: bool = False  # pairing.topologyScope Required: never across zones
     prefill_per_decode: int = 1
     enforce_hash: bool = True
     accepted_transports: tuple[str, ...] = ()  # empty: any transport is accepted
@@ -342,6 +343,8 @@ def parse_transfer(body: Mapping[str, Any]) -> Transfer:
         decode=parse_role(_get(spec, DECODE, "spec", Mapping), f"spec.{DECODE}"),
         policy=_enum(pairing, "policy", "spec.pairing", ("Balanced", "TopologyAware"), "Balanced"),
         topology_key=_get(pairing, "topologyKey", "spec.pairing", str, ""),
+        topology_required=_enum(pairing, "topologyScope", "spec.pairing",
+                                ("Preferred", "Required"), "Preferred") == "Required",
         prefill_per_decode=_get(pairing, "prefillPerDecode", "spec.pairing", int, 1),
         enforce_hash=_get(compat, "enforceHash", "spec.compatibility", bool, True),
         accepted_transports=tuple(accepted),

@@ -266,3 +266,21 @@ def test_a_lost_node_drops_its_pairs_names_them_and_they_reform_when_it_is_back(
     api.report_handshakes(ns)
     api.wait_condition(ns, "Degraded", "False", reason="AsExpected", timeout=30)
     api.wait_condition(ns, "Ready", "True", timeout=30)
+
+
+def test_required_topology_never_pairs_across_zones(api: Api, ns: str) -> None:
+    def pairs() -> set[tuple[str, str]]:
+        items = api.transfer(ns)["status"]["pairs"]["items"]
+        return {(p["decodeEngine"], p["prefillEngine"]) for p in items}
+
+    api.create_transfer(ns, pairing={"policy": "TopologyAware", "topologyKey": ZONE,
+                                     "topologyScope": "Required"})  # fmt: skip
+    api.start_engine(ns, "pa", "prefill", node="node-a")  # zone-a
+    api.start_engine(ns, "da", "decode", node="node-a")
+    api.start_engine(ns, "db", "decode", node="node-b")   # zone-b: no prefill there yet
+    wait_for(lambda: pairs() == {("da", "pa")}, what="only the zone-a pair")
+    st = wait_for(lambda: (lambda s: s if s.get("reason") == "NoPrefillInTopology" else None)(
+        api.endpoint(ns, "db-0").get("status") or {}), what="db-0 told why it is unpaired")
+    assert st["state"] == "Unpaired" and f"{ZONE}=zone-b" in st["message"]
+    api.start_engine(ns, "pb", "prefill", node="node-b")
+    wait_for(lambda: pairs() == {("da", "pa"), ("db", "pb")}, what="db paired in its zone")

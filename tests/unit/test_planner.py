@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -234,6 +234,58 @@ class TestHandshakes:
         assert cond(p, "HandshakesVerified") == ("False", "HandshakeFailed")
         assert cond(p, "Degraded") == ("True", "HandshakeFailed")
         assert "boom" in p.endpoint("d0-0").message
+
+
+class TestTopologyScope:
+    """TopologyAware with topologyScope Required never pairs across zones."""
+
+    nodes: ClassVar[dict[str, dict[str, str]]] = {"node-a": {"zone": "a"},
+                                                  "node-b": {"zone": "b"}}
+
+    def eps(self, *placed: tuple[str, str, str]) -> list[Endpoint]:
+        out = []
+        for name, role, node in placed:
+            manifest = T.endpoint_manifest(f"{name}-0", role=role, engine_id=name)
+            manifest["spec"]["nodeName"] = node
+            out.append(parse_endpoint(manifest))
+        return out
+
+    def test_preferred_crosses_zones_only_when_its_own_has_none(self) -> None:
+        eps = self.eps(("pa", "prefill", "node-a"), ("da", "decode", "node-a"),
+                       ("db", "decode", "node-b"))  # fmt: skip
+        t = transfer(pairing={"policy": "TopologyAware", "topologyKey": "zone"})
+        p = plan(t, eps, self.nodes)
+        assert {(x.decode_engine, x.prefill_engine) for x in p.pairs} == {("da", "pa"),
+                                                                         ("db", "pa")}
+
+    def test_required_leaves_a_decode_without_a_local_prefill_unpaired_and_says_why(self) -> None:
+        eps = self.eps(("pa", "prefill", "node-a"), ("da", "decode", "node-a"),
+                       ("db", "decode", "node-b"))  # fmt: skip
+        t = transfer(pairing={"policy": "TopologyAware", "topologyKey": "zone",
+                              "topologyScope": "Required"})  # fmt: skip
+        p = plan(t, eps, self.nodes)
+        assert [(x.decode_engine, x.prefill_engine) for x in p.pairs] == [("da", "pa")]
+        db = p.endpoint("db-0")
+        assert (db.state, db.reason) == (EndpointState.UNPAIRED, "NoPrefillInTopology")
+        assert "shares its topology (zone=b)" in db.message and "Required" in db.message
+        # A prefill engine appears in zone b: db is paired there, da keeps its own.
+        more = plan(t, eps + self.eps(("pb", "prefill", "node-b")), self.nodes)
+        assert {(x.decode_engine, x.prefill_engine) for x in more.pairs} == {("da", "pa"),
+                                                                            ("db", "pb")}
+
+    def test_required_takes_a_local_prefill_above_the_balance_cap(self) -> None:
+        eps = self.eps(("pa", "prefill", "node-a"), ("pb", "prefill", "node-b"),
+                       ("da1", "decode", "node-a"), ("da2", "decode", "node-a"))  # fmt: skip
+        t = transfer(pairing={"policy": "TopologyAware", "topologyKey": "zone",
+                              "topologyScope": "Required"})  # fmt: skip
+        p = plan(t, eps, self.nodes)
+        assert {(x.decode_engine, x.prefill_engine) for x in p.pairs} == {("da1", "pa"),
+                                                                         ("da2", "pa")}
+
+    def test_scope_values_are_checked(self) -> None:
+        with pytest.raises(SpecError) as err:
+            transfer(pairing={"policy": "TopologyAware", "topologyScope": "Strict"})
+        assert err.value.path == "spec.pairing.topologyScope"
 
 
 class TestLostNodes:
