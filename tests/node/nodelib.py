@@ -91,3 +91,32 @@ def token_claims(pid: int) -> dict[str, Any]:
 def env_of(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(e.decode().split("=", 1) for e in raw if b"=" in e)
+
+
+def wait_services_serving(api: Api, namespaces: list[str], timeout: float = 120) -> None:
+    """Every Service with a selector in ``namespaces`` has ready endpoints and answers on its
+    ClusterIP from the host (routed into the node, translated by kube-proxy): what the node
+    controller and the endpoints controller undo while a node is NotReady."""
+    import socket
+
+    for ns in namespaces:
+        for svc in api.core.list_namespaced_service(ns).items:
+            if not svc.spec.selector:
+                continue
+            name, ip, port = svc.metadata.name, svc.spec.cluster_ip, svc.spec.ports[0].port
+
+            def ready(name: str = name, ns: str = ns) -> bool:
+                ep = api.core.read_namespaced_endpoints(name, ns)
+                subsets = ep.subsets or []
+                return bool(subsets) and all(s.addresses and not s.not_ready_addresses
+                                             for s in subsets)  # fmt: skip
+
+            def answers(ip: str = ip, port: int = port) -> bool:
+                try:
+                    socket.create_connection((ip, port), timeout=2).close()
+                except OSError:
+                    return False
+                return True
+
+            wait_for(ready, timeout=timeout, what=f"Service {ns}/{name} endpoints ready")
+            wait_for(answers, timeout=timeout, what=f"Service {ns}/{name} answering at {ip}")

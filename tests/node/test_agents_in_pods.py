@@ -18,6 +18,7 @@ from kvb_e2e import Api, wait_for
 from node_pods import agent_call
 from nodelib import (
     AGENT_NS,
+    OPERATOR_NS,
     container_pid,
     env_of,
     pod_ip,
@@ -25,6 +26,7 @@ from nodelib import (
     process_identity,
     token_claims,
     wait_pod_ready,
+    wait_services_serving,
 )
 
 pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.nixl, pytest.mark.slow]
@@ -133,3 +135,6 @@ def test_a_node_whose_kubelet_stops_loses_its_pairs_and_gets_them_back(
     assert api.endpoint(AGENT_NS, agents["decode"])["status"]["state"] == "Paired"
     result = pull_all(api, agents, "node-r3")
     assert result["ok"] and result["verified"], result
+    # Leave the node as found for the next tests: while it was NotReady its pods were taken
+    # out of their Services (the operator's webhook and metrics among them).
+    wait_services_serving(api, [OPERATOR_NS, AGENT_NS])
