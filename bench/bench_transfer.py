@@ -31,7 +31,6 @@ otherwise share the 2 cores with the contenders). Buffers are pre-faulted. Outpu
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import multiprocessing as mp
 import os
@@ -40,6 +39,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 
@@ -328,7 +328,8 @@ def run_shape(shape: str, todo: dict[str, tuple[str, np.ndarray, np.ndarray]]) -
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_producer, args=(child, {shape: dims}), daemon=True)
-    with _ucx_tls(TRANSPORTS.get(shape)):   # read by UCX when each side's agent starts
+    tls = TRANSPORTS.get(shape)
+    with mock.patch.dict(os.environ, {"UCX_TLS": tls} if tls else {}):  # read as agents start
         proc.start()
         if not conn.poll(120):
             raise TimeoutError("producer did not start")
@@ -354,22 +355,6 @@ def run_shape(shape: str, todo: dict[str, tuple[str, np.ndarray, np.ndarray]]) -
         conn.send(("exit",))
         conn.poll(30)
         proc.join(30)
-
-
-@contextlib.contextmanager
-def _ucx_tls(tls: str | None):
-    """UCX_TLS set to ``tls`` (unchanged when None) while the shape's agents start."""
-    saved = os.environ.get("UCX_TLS")
-    if tls is not None:
-        os.environ["UCX_TLS"] = tls
-    try:
-        yield
-    finally:
-        if tls is not None:
-            if saved is None:
-                os.environ.pop("UCX_TLS", None)
-            else:
-                os.environ["UCX_TLS"] = saved
 
 
 def emit_transport_ratio() -> None:
