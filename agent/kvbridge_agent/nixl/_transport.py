@@ -215,6 +215,10 @@ class ProtoInfoLog:
         with cls._lock:
             if cls._instance is None:
                 cls._instance = cls(_configure_ucx_env())
+            elif cls._instance.path is not None:
+                # UCX reads UCX_PROTO_INFO per agent (its log file once per process): keep it
+                # on for every agent, whatever the process did to its environment meanwhile.
+                os.environ["UCX_PROTO_INFO"] = "y"
             return cls._instance
 
     def load_peer(self, agent: str, load: Callable[[], T]) -> tuple[T, PeerTransport]:
