@@ -18,7 +18,7 @@ from kvbridge_agent.nixl._transport import (
     transport_accepted,
 )
 
-LOG = (Path(__file__).parent / "data" / "ucx_proto_info_cma_tcp.log").read_text().splitlines()
+LOG = (Path(__file__).parent / "data" / "ucx_proto_info_cma_tcp.txt").read_text().splitlines()
 
 
 def _tables(config: int, agent: str = "A") -> list[ProtoTable]:
