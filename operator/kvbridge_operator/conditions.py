@@ -145,12 +145,13 @@ def desired_conditions(
         parts.append(("TransportFallback",
                       f"{len(fallbacks)} rank pair(s) use a transport outside "
                       f"spec.transport.accepted [{accepted}]: {shown}{more}"))
-    lost = [p for p in plans if p.reason == NODE_NOT_READY]
+    lost = [p.name for p in plans if p.reason == NODE_NOT_READY]
     if lost:
-        nodes = sorted({e.node_name for e in eps if e.name in {p.name for p in lost}})
+        on_lost = set(lost)
+        nodes = sorted({e.node_name for e in eps if e.name in on_lost})
         parts.append((NODE_NOT_READY,
                       f"{len(lost)} endpoint(s) lost their pairs on node(s) not Ready "
-                      f"({_names(nodes)}): {_names([p.name for p in lost])}"))
+                      f"({_names(nodes)}): {_names(lost)}"))
     stale = prefill.stale + decode.stale
     if stale:
         parts.append(("StaleEndpoints", f"{stale} stale endpoint(s) superseded by newer epochs"))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
 
 from kvbridge_agent.geometry import handshake_target_ranks
 from kvbridge_agent.rules import transport_accepted
@@ -74,92 +73,39 @@ def plan(
     engines = eligible_engines(transfer, eps, v, lost_nodes)
     usable = classify(engines, transfer, v)
     assignment = assign(transfer, usable.decode, usable.prefill, node_labels or {})
-    pairs = _peers_and_handshakes(usable.decode, usable.prefill, assignment, v,
-                                  push=transfer.mode == "push")  # fmt: skip
-    pairs, fallbacks = _transports(pairs, usable.decode, usable.prefill, assignment,
-                                   transfer.accepted_transports)  # fmt: skip
-    if transfer.policy == "TopologyAware" and transfer.topology_required:
-        _explain_topology(transfer, usable.decode, v, node_labels or {})
+    pairs, fallbacks = _peers_and_handshakes(transfer, usable.decode, usable.prefill,
+                                             assignment, v, node_labels or {})  # fmt: skip
     return _finish(transfer, eps, v, engines, pairs, usable.incompatible_pairs, fallbacks)
 
 
-def _explain_topology(
+def _peers_and_handshakes(
     transfer: Transfer,
     usable_d: dict[str, tuple[Engine, Candidates]],
+    usable_p: dict[str, Engine],
+    assignment: dict[str, list[str]],
     v: Verdicts,
     node_labels: Mapping[str, Mapping[str, str]],
-) -> None:
-    """Decode ranks left unpaired only because ``topologyScope: Required`` kept them in their
-    zone say so (they had compatible prefill engines elsewhere)."""
-    key = transfer.topology_key
-    for d, g in usable_d.values():
-        if not g.ids:
-            continue
-        for e in d.ranks:
-            verdict = v.items.get(e.name)
-            if verdict is None or verdict.state is not EndpointState.UNPAIRED:
-                continue
-            value = (node_labels.get(e.node_name) or {}).get(key) if e.node_name else None
-            where = f"{key}={value}" if value is not None else f"no {key} label on its node"
-            v.set(e, EndpointState.UNPAIRED, "NoPrefillInTopology",
-                  f"no compatible prefill engine shares its topology ({where}), and "
-                  "spec.pairing.topologyScope is Required: it is not paired across "
-                  f"{key} values ({len(g.ids)} compatible elsewhere)")  # fmt: skip
-
-
-def _transports(
-    pairs: list[Pair],
-    usable_d: dict[str, tuple[Engine, Candidates]],
-    usable_p: dict[str, Engine],
-    assignment: dict[str, list[str]],
-    accepted: tuple[str, ...],
 ) -> tuple[list[Pair], list[TransportFallback]]:
-    """Each pair's transports, from its decode ranks' successful handshakes at the prefill
-    ranks' current epochs, and the rank pairs whose transport ``accepted`` leaves out."""
-    fallbacks: list[TransportFallback] = []
-    seen: dict[tuple[str, str], set[str]] = defaultdict(set)
-    for d_id, (d, _) in usable_d.items():
-        for e in d.ranks:
-            reported = {(h.peer, h.epoch): h for h in e.handshakes if h.succeeded}
-            for p_id in assignment[d_id]:
-                p = usable_p[p_id]
-                for t in handshake_target_ranks(e.tp_rank, d.tp_size, p.tp_size):
-                    pe = p.ranks[t]
-                    h = reported.get((pe.name, pe.epoch))
-                    if h is None or not h.transport:
-                        continue
-                    seen[(d_id, p_id)].add(h.transport)
-                    if not transport_accepted(h.transport, accepted):
-                        fallbacks.append(TransportFallback(e.name, pe.name, h.transport))
-    with_transports = [replace(p, transports=tuple(sorted(seen[(p.decode_engine,
-                                                                p.prefill_engine)])))
-                       for p in pairs]  # fmt: skip
-    return with_transports, sorted(fallbacks, key=lambda f: (f.endpoint, f.peer))
-
-
-def _peers_and_handshakes(
-    usable_d: dict[str, tuple[Engine, Candidates]],
-    usable_p: dict[str, Engine],
-    assignment: dict[str, list[str]],
-    v: Verdicts,
-    *,
-    push: bool = False,
-) -> list[Pair]:
-    """Rank-level peers (spec §1.9), handshake verification, endpoint verdicts, pairs.
+    """Rank-level peers (spec §1.9), handshake verification, endpoint verdicts, pairs with
+    the transports their decode ranks report, and the rank pairs whose transport
+    ``spec.transport.accepted`` leaves out.
 
     A pair is verified by the decode rank's report on the prefill rank; in push mode the
     prefill rank writes into the decode rank's memory, so its report on the decode rank is
     needed too.
     """
+    push = transfer.mode == "push"
     p_peers: dict[str, list[Peer]] = defaultdict(list)
     pairs: list[Pair] = []
+    fallbacks: list[TransportFallback] = []
     reports = {
         e.name: {(h.peer, h.epoch): h for h in e.handshakes}
         for engine in (*(d for d, _ in usable_d.values()), *usable_p.values())
         for e in engine.ranks
     }
-    for d_id, (d, _) in usable_d.items():
+    for d_id, (d, candidates) in usable_d.items():
         states: dict[str, list[PairState]] = defaultdict(list)
+        transports: dict[str, set[str]] = defaultdict(set)
         for e in d.ranks:
             peers: list[Peer] = []
             per_rank: list[PairState] = []
@@ -171,7 +117,14 @@ def _peers_and_handshakes(
                     pe = p.ranks[t]
                     peers.append(_peer(pe, p.tp_size))
                     p_peers[pe.name].append(_peer(e, d.tp_size))
-                    sides = [(e.name, reports[e.name].get((pe.name, pe.epoch)))]
+                    reported = reports[e.name].get((pe.name, pe.epoch))
+                    if reported is not None and reported.succeeded and reported.transport:
+                        transports[p_id].add(reported.transport)
+                        if not transport_accepted(reported.transport,
+                                                  transfer.accepted_transports):  # fmt: skip
+                            fallbacks.append(TransportFallback(e.name, pe.name,
+                                                               reported.transport))
+                    sides = [(e.name, reported)]
                     if push:
                         sides.append((pe.name, reports[pe.name].get((e.name, e.epoch))))
                     for reporter, h in sides:
@@ -188,13 +141,10 @@ def _peers_and_handshakes(
                     e.name, e.role, EndpointState.PAIRED, reason, message, tuple(peers), state
                 )
             else:
-                v.set(
-                    e,
-                    EndpointState.UNPAIRED,
-                    "NoPrefillEngines",
-                    "no compatible prefill engine is available",
-                )
-        pairs.extend(Pair(d_id, p_id, _combine(states[p_id])) for p_id in assignment[d_id])
+                v.set(e, EndpointState.UNPAIRED,
+                      *_unpaired(transfer, e, candidates, node_labels))  # fmt: skip
+        pairs.extend(Pair(d_id, p_id, _combine(states[p_id]), tuple(sorted(transports[p_id])))
+                     for p_id in assignment[d_id])  # fmt: skip
     for p_id, p in usable_p.items():
         for e in p.ranks:
             peers = sorted(p_peers.get(e.name, ()), key=lambda x: (x.engine_id, x.tp_rank))
@@ -215,7 +165,29 @@ def _peers_and_handshakes(
                     "NoDecodeAssigned",
                     f"no decode engine is assigned to prefill engine {p_id}",
                 )
-    return sorted(pairs, key=lambda x: (x.decode_engine, x.prefill_engine))
+    pairs.sort(key=lambda x: (x.decode_engine, x.prefill_engine))
+    return pairs, sorted(fallbacks, key=lambda f: (f.endpoint, f.peer))
+
+
+def _unpaired(
+    transfer: Transfer,
+    e: Endpoint,
+    candidates: Candidates,
+    node_labels: Mapping[str, Mapping[str, str]],
+) -> tuple[str, str]:
+    """Why decode rank ``e`` got no prefill engine: none is compatible, or (with
+    ``topologyScope: Required``, the one way compatible engines go unassigned) none is in
+    its zone."""
+    required = transfer.policy == "TopologyAware" and transfer.topology_required
+    if not candidates.ids or not required:
+        return "NoPrefillEngines", "no compatible prefill engine is available"
+    key = transfer.topology_key
+    value = (node_labels.get(e.node_name) or {}).get(key) if e.node_name else None
+    where = f"{key}={value}" if value is not None else f"no {key} label on its node"
+    return ("NoPrefillInTopology",
+            f"no compatible prefill engine shares its topology ({where}), and "
+            "spec.pairing.topologyScope is Required: it is not paired across "
+            f"{key} values ({len(candidates.ids)} compatible elsewhere)")
 
 
 def _peer(e: Endpoint, tp_size: int) -> Peer:

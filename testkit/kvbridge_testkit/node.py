@@ -293,10 +293,12 @@ class RealNode:
             raise NodeError(f"another node runs here: processes {alive} live in network "
                             f"namespace {NETNS} or in containerd shims of {RUN_DIR}; stop that "
                             f"run first")
-        log.warning("clearing what a crashed node run left: %s", self._crash_remains())
+        stale_netns = _stale_pod_netns()
+        log.warning("clearing what a crashed node run left: netns %s, %s",
+                    [NETNS, *stale_netns], RUN_DIR)  # fmt: skip
         stale_workdirs = [d for d in Path("/var/tmp").glob("kvb-node-*") if d != self.workdir]
         self._unmount_under(RUN_DIR, *stale_workdirs)
-        for name in _stale_pod_netns():
+        for name in stale_netns:
             _remove_netns_file(name)
         self._remove_cgroups()
         self._remove_link()
@@ -307,12 +309,6 @@ class RealNode:
     def _other_node_processes(self) -> list[int]:
         in_netns = _sh("ip", "netns", "pids", NETNS, check=False).stdout.split()
         return sorted({int(pid) for pid in in_netns} | set(self._shim_pids()))
-
-    @staticmethod
-    def _crash_remains() -> list[str]:
-        found = [f"netns {NETNS}"] if Path(f"/run/netns/{NETNS}").exists() else []
-        found += [f"netns {n}" for n in _stale_pod_netns()]
-        return found + ([str(RUN_DIR)] if RUN_DIR.exists() else [])
 
     def start(self, cluster: LocalCluster, timeout: float = 120.0) -> RealNode:
         """Run containerd, the kubelet and kube-proxy against ``cluster`` until Ready."""

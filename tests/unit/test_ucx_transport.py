@@ -15,8 +15,8 @@ from kvbridge_agent.nixl._transport import (
     ProtoTable,
     TransportBook,
     parse_proto_lines,
-    transport_accepted,
 )
+from kvbridge_agent.rules import transport_accepted
 
 LOG = (Path(__file__).parent / "data" / "ucx_proto_info_cma_tcp.txt").read_text().splitlines()
 

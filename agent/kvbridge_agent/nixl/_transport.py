@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import TypeVar
 
 from ..rules import UNKNOWN_TRANSPORT as UNKNOWN
-from ..rules import transport_accepted
 
 __all__ = [
     "UNKNOWN",
@@ -47,7 +46,6 @@ __all__ = [
     "ProtoTable",
     "TransportBook",
     "parse_proto_lines",
-    "transport_accepted",
 ]
 
 T = TypeVar("T")

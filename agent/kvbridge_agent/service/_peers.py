@@ -103,9 +103,7 @@ class PeerSet:
         """Forget every peer without unloading it (NIXL is being released)."""
         with self._core.lock:
             for peer in self._peers.values():
-                if peer.transport is not None:
-                    with contextlib.suppress(KeyError):
-                        metrics.PEER_TRANSPORT.remove(peer.ref.name, peer.transport.name)
+                _forget_transport_series(peer)
             self._peers.clear()
             metrics.PEERS.set(0)
 
@@ -193,9 +191,7 @@ class PeerSet:
         except Exception as exc:  # the peer may be dead; removal is best effort
             log.warning("removing NIXL remote %s failed: %s", peer.agent_name, exc)
         metrics.PEERS.set(len(self._peers))
-        if peer.transport is not None:
-            with contextlib.suppress(KeyError):
-                metrics.PEER_TRANSPORT.remove(peer.ref.name, peer.transport.name)
+        _forget_transport_series(peer)
 
     # -- one handshake -----------------------------------------------------------------------
     def handshake(self, ref: PeerRef) -> PeerReport:
@@ -299,6 +295,13 @@ class PeerSet:
             ref.port, result, f": {message}" if message else "")
         return PeerReport(ref.name, ref.engine_id, ref.epoch, ok, message, result,
                           utc_timestamp(), agent_name)
+
+
+def _forget_transport_series(peer: _Peer) -> None:
+    """Drop the peer's ``kvbridge_agent_peer_transport`` series (set when it was loaded)."""
+    if peer.transport is not None:
+        with contextlib.suppress(KeyError):
+            metrics.PEER_TRANSPORT.remove(peer.ref.name, peer.transport.name)
 
 
 def _outcome_of(exc: Exception) -> tuple[HandshakeOutcome, str]:
