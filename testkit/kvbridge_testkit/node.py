@@ -1,40 +1,51 @@
-"""One real Kubernetes node on this machine: containerd, kubelet and kube-proxy v1.20.2.
+"""Real Kubernetes nodes on this machine: containerd, kubelet and kube-proxy v1.20.2.
 
-The node lives in a network namespace of its own, joined to the host by one veth pair, so
+Each node lives in a network namespace of its own, joined to the host by one veth pair, so
 everything it changes in the network stack (the CNI bridge and pod veths, kube-proxy's and the
 kubelet's iptables chains, ``ip_forward``, ``route_localnet``) exists only there and goes away
-with the namespace. The host gains two routes (pod and Service ranges via the node) and keeps
-its sysctls: the kubelet is built not to rewrite kernel tunables (hack/test-stack.sh) and
-kube-proxy is told not to touch conntrack limits. Only loopback-like addresses on this machine
-are used: pods, Services and the link live in ranges that exist nowhere else.
+with the namespace. The host gains a route to each node's pods (node i holds 10.88.i.0/24) and
+one to the Service range (via the first node), and keeps its sysctls: the kubelet is built not
+to rewrite kernel tunables (hack/test-stack.sh) and kube-proxy is told not to touch conntrack
+limits. Only loopback-like addresses on this machine are used: pods, Services and the links
+live in ranges that exist nowhere else.
+
+Two nodes are joined by :func:`connect`: a direct veth between their namespaces and a route to
+each other's pods, so one pod network spans both and the host, which does not forward, is not
+on the path. Each node's daemons run in a mount namespace of its own (its pod log directories,
+its volume and root filesystem mounts), under a cgroup parent and a state directory of its own.
 
 The control plane is ``cluster.LocalCluster(real_nodes=True, address=HOST_IP)``: the
-apiserver listens on the host end of the link, which pods reach through the node's default
-route, and it reaches webhooks through Service IPs routed into the node, where kube-proxy
-translates them (with ``--masquerade-all``, so replies return through the node without the
-host's ``br_netfilter``).
+apiserver listens on the host end of the first node's link, which every node's pods reach
+through their node's default route, and it reaches webhooks through Service IPs routed into
+the first node, where kube-proxy translates them (with ``--masquerade-all``, so replies return
+through the node without the host's ``br_netfilter``).
 
-Usage (the link comes first: the apiserver binds its host end)::
+Usage (the links come first: the apiserver binds the first one's host end)::
 
     node = RealNode(images=[...]).link_up()
+    second = RealNode(images=[...], index=1).link_up()
     try:
         with LocalCluster(real_nodes=True, address=HOST_IP, service_cidr=SERVICE_CIDR) as c:
             node.start(c)
-            ...  # pods scheduled onto node.name run as real containers
+            second.start(c)
+            connect(node, second)
+            ...  # pods scheduled onto node.name or second.name run as real containers
+            second.stop()
             node.stop()
     finally:
-        node.stop()  # idempotent; also removes the link if the cluster never came up
+        second.stop()  # idempotent; also removes the link if the cluster never came up
+        node.stop()
 
-containerd's content store and snapshots are kept in the cache (``RealNode.containerd_root``)
-so a node starts in seconds when the images did not change; its state (tasks, mounts, sockets)
-lives under RUN_DIR and goes with the node.
+containerd's content store and snapshots are kept in the cache (``RealNode.containerd_root``,
+one per node) so a node starts in seconds when the images did not change; its state (tasks,
+mounts, sockets) lives in ``NodeNet.run_dir`` and goes with the node.
 
 ``RealNode.stop`` cordons the node and deletes every pod first (so the kubelet tears sandboxes
 down through CNI), stops the daemons, then removes what is left: shims, mounts, cgroups,
 network namespaces, the link and the routes. ``leftovers()`` reports anything that survived;
 tests assert on it. A run killed before its teardown (a cut-off CI job) leaves those behind:
-the next ``link_up`` clears them, and refuses instead while any process still lives in the
-node's namespace or in one of its containerd shims.
+the next ``link_up`` of the same node clears them, and refuses instead while any process still
+lives in the node's namespace or in one of its containerd shims.
 
 Binaries: kubelet and kube-proxy from ``hack/test-stack.sh ensure``; containerd, runc, CNI
 plugins and ``ctr`` from Debian (installed by the same script).
@@ -47,6 +58,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -68,19 +80,78 @@ from kvbridge_testkit.cluster import (
 
 log = logging.getLogger("kvbridge.node")
 
-#: The link between host and node; the apiserver binds HOST_IP.
-HOST_IP, NODE_IP, LINK_PREFIX = "10.87.0.1", "10.87.0.2", 30
+LINK_PREFIX = 30
+#: The pod network of every node: node i takes 10.88.i.0/24 of it.
 POD_CIDR = "10.88.0.0/16"
 SERVICE_CIDR = "10.0.0.0/24"
-NODE_NAME = "kvb-node"
-NETNS = "kvb-node"
-HOST_VETH, NODE_VETH = "kvbh0", "kvbn0"
 BRIDGE = "kvb0"
-RUN_DIR = Path("/run/kvb-node")  # short: unix socket paths are limited to 108 bytes
 PAUSE_IMAGE = "registry.k8s.io/pause:3.6"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: Fixed paths in kubelet 1.20, which deletes every pod directory there it does not know: each
+#: node mounts directories of its own over them in its mount namespace.
 POD_LOGS = Path("/var/log/pods")
 CONTAINER_LOGS = Path("/var/log/containers")
+
+
+@dataclass(frozen=True)
+class NodeNet:
+    """Names and addresses of node ``index`` (0 is the first): its network namespace, its
+    link to the host, its share of the pod network and its state directory. Everything is
+    derived from the index, so two nodes never collide and a crashed run's remains are found
+    by the same names."""
+
+    index: int
+
+    @property
+    def name(self) -> str:
+        return "kvb-node" if self.index == 0 else f"kvb-node-{self.index + 1}"
+
+    @property
+    def netns(self) -> str:
+        return self.name
+
+    @property
+    def host_veth(self) -> str:
+        return f"kvbh{self.index}"
+
+    @property
+    def node_veth(self) -> str:
+        return f"kvbn{self.index}"
+
+    @property
+    def host_ip(self) -> str:
+        return f"10.87.{self.index}.1"
+
+    @property
+    def node_ip(self) -> str:
+        return f"10.87.{self.index}.2"
+
+    @property
+    def pod_cidr(self) -> str:
+        return f"10.88.{self.index}.0/24"
+
+    @property
+    def run_dir(self) -> Path:
+        return Path("/run") / self.name  # short: unix socket paths are limited to 108 bytes
+
+    @property
+    def cgroup_parent(self) -> str:
+        """The kubelet's ``--cgroup-root``: each node's pods under a tree of its own."""
+        return "/" if self.index == 0 else f"/{self.name}"
+
+    @property
+    def translates_host_services(self) -> bool:
+        """The host routes the Service range to the first node, whose kube-proxy translates it
+        (one route per range: the host does not forward, so one node answers for all)."""
+        return self.index == 0
+
+
+FIRST = NodeNet(0)
+#: The first node: the apiserver binds its host end, which every node reaches by its own link.
+HOST_IP, NODE_IP = FIRST.host_ip, FIRST.node_ip
+NODE_NAME = NETNS = FIRST.name
+HOST_VETH, NODE_VETH = FIRST.host_veth, FIRST.node_veth
+RUN_DIR = FIRST.run_dir
 
 
 IMAGES_SCRIPT = HACK / "node-images.sh"
@@ -150,12 +221,6 @@ def _sh(*cmd: str, check: bool = True, timeout: float = 60) -> subprocess.Comple
     return subprocess.run(list(cmd), capture_output=True, text=True, check=check, timeout=timeout)
 
 
-def _in_node(*cmd: str) -> list[str]:
-    """``cmd`` run in the node's network namespace only (``ip netns exec`` would also remount
-    /sys, hiding the cgroup hierarchies the kubelet and runc need)."""
-    return ["nsenter", f"--net=/run/netns/{NETNS}", "--", *cmd]
-
-
 def _stale_pod_netns() -> list[str]:
     """Pod network namespaces (CNI names them ``cni-<uuid>``) that no process uses any more."""
     netns_dir = Path("/run/netns")
@@ -195,7 +260,8 @@ def host_sysctls() -> dict[str, str]:
 
 def containerd_config(root: Path, state: Path, socket: Path, cni_conf: Path, cni_bin: Path) -> str:
     """containerd 1.6 settings found by failures on these machines (shared/notes/real-node.md):
-    no negative oom_score_adj, no hugetlb controller, cgroupfs (no systemd)."""
+    no negative oom_score_adj, no hugetlb controller, cgroupfs (no systemd); runc keeps its
+    state under the node's own directory (not the shared /run/containerd/runc)."""
     cri = 'plugins."io.containerd.grpc.v1.cri"'
     return f"""version = 2
 root = "{root}"
@@ -218,13 +284,14 @@ state = "{state}"
       runtime_type = "io.containerd.runc.v2"
       [{cri}.containerd.runtimes.runc.options]
         SystemdCgroup = false
+        Root = "{state}/runc"
   [{cri}.cni]
     bin_dir = "{cni_bin}"
     conf_dir = "{cni_conf}"
 """
 
 
-def cni_config(ipam_dir: Path) -> dict[str, Any]:
+def cni_config(ipam_dir: Path, pod_cidr: str) -> dict[str, Any]:
     """A bridge network with host-local addresses; no masquerade: nothing leaves the machine."""
     return {
         "cniVersion": "0.4.0",
@@ -234,7 +301,7 @@ def cni_config(ipam_dir: Path) -> dict[str, Any]:
                 "type": "bridge", "bridge": BRIDGE, "isGateway": True, "ipMasq": False,
                 "hairpinMode": True,
                 "ipam": {"type": "host-local", "dataDir": str(ipam_dir),
-                         "ranges": [[{"subnet": POD_CIDR}]], "routes": [{"dst": "0.0.0.0/0"}]},
+                         "ranges": [[{"subnet": pod_cidr}]], "routes": [{"dst": "0.0.0.0/0"}]},
             },
         ],
     }  # fmt: skip
@@ -246,32 +313,46 @@ class RealNode:
 
     images: list[Path] = field(default_factory=list)
     labels: dict[str, str] = field(default_factory=dict)
+    #: ``key=value:Effect`` taints the kubelet registers the node with.
+    taints: list[str] = field(default_factory=list)
     binaries: NodeBinaries = field(default_factory=NodeBinaries.find)
     workdir: Path | None = None
-    name: str = NODE_NAME
+    #: Which node of the cluster this is (0 is the first): names and addresses follow from it.
+    index: int = 0
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
-    _pod_logs_before: set[str] = field(default_factory=set, repr=False)
+    _made_dirs: list[Path] = field(default_factory=list, repr=False)
     _netns_before: set[str] = field(default_factory=set, repr=False)
     _host_rules_before: list[str] = field(default_factory=list, repr=False)
     _sysctls_before: dict[str, str] = field(default_factory=dict, repr=False)
 
     cluster: LocalCluster | None = field(default=None, repr=False)
     service_cidr: str = SERVICE_CIDR
-    #: containerd's content store and snapshots: kept between runs, so unchanged images are
-    #: not unpacked again (its state, with every running task, lives under RUN_DIR).
-    containerd_root: Path = CACHE / "node" / "containerd"
+    #: containerd's content store and snapshots, one per node: kept between runs, so unchanged
+    #: images are not unpacked again (its state, with every running task, lives in run_dir).
+    containerd_root: Path | None = None
 
     def __post_init__(self) -> None:
+        self.net = NodeNet(self.index)
+        self.name = self.net.name
+        if self.containerd_root is None:
+            store = "containerd" if self.index == 0 else f"containerd-{self.name}"
+            self.containerd_root = CACHE / "node" / store
         if self.workdir is None:
-            self.workdir = Path(tempfile.mkdtemp(prefix="kvb-node-", dir="/var/tmp"))
-        self.socket = RUN_DIR / "containerd.sock"
+            self.workdir = Path(tempfile.mkdtemp(prefix=f"{self.name}.", dir="/var/tmp"))
+        self.socket = self.net.run_dir / "containerd.sock"
+        self.mount_ns = self.net.run_dir / "mnt"
+
+    def _in_node(self, *cmd: str) -> list[str]:
+        """``cmd`` run in the node's network and mount namespaces (``ip netns exec`` would also
+        remount /sys, hiding the cgroup hierarchies the kubelet and runc need)."""
+        return ["nsenter", f"--net=/run/netns/{self.net.netns}", f"--mount={self.mount_ns}",
+                "--", *cmd]  # fmt: skip
 
     # -- lifecycle ---------------------------------------------------------------------------
     def link_up(self) -> RealNode:
         """The node's network namespace and its link to the host (before the apiserver starts:
         it binds HOST_IP)."""
         self._clear_crashed_run()
-        self._pod_logs_before = set(os.listdir(POD_LOGS)) if POD_LOGS.is_dir() else set()
         self._netns_before = set(os.listdir("/run/netns")) if Path("/run/netns").is_dir() else set()
         self._host_rules_before = host_rules()
         self._sysctls_before = host_sysctls()
@@ -286,28 +367,29 @@ class RealNode:
         """Remove what a node killed without its teardown left (its link, routes, mounts,
         network namespaces, cgroups), so one crashed run does not fail every later one; refuse
         while any process of another node still runs here."""
-        if not Path(f"/run/netns/{NETNS}").exists() and not RUN_DIR.exists():
+        netns, run_dir = self.net.netns, self.net.run_dir
+        if not Path(f"/run/netns/{netns}").exists() and not run_dir.exists():
             return
         alive = self._other_node_processes()
         if alive:
             raise NodeError(f"another node runs here: processes {alive} live in network "
-                            f"namespace {NETNS} or in containerd shims of {RUN_DIR}; stop that "
+                            f"namespace {netns} or in containerd shims of {run_dir}; stop that "
                             f"run first")
         stale_netns = _stale_pod_netns()
         log.warning("clearing what a crashed node run left: netns %s, %s",
-                    [NETNS, *stale_netns], RUN_DIR)  # fmt: skip
-        stale_workdirs = [d for d in Path("/var/tmp").glob("kvb-node-*") if d != self.workdir]
-        self._unmount_under(RUN_DIR, *stale_workdirs)
+                    [netns, *stale_netns], run_dir)  # fmt: skip
+        stale_workdirs = [d for d in Path("/var/tmp").glob(f"{self.name}.*") if d != self.workdir]
+        self._unmount_under(run_dir, *stale_workdirs)
         for name in stale_netns:
             _remove_netns_file(name)
         self._remove_cgroups()
         self._remove_link()
-        shutil.rmtree(RUN_DIR, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
         for workdir in stale_workdirs:
             shutil.rmtree(workdir, ignore_errors=True)
 
     def _other_node_processes(self) -> list[int]:
-        in_netns = _sh("ip", "netns", "pids", NETNS, check=False).stdout.split()
+        in_netns = _sh("ip", "netns", "pids", self.net.netns, check=False).stdout.split()
         return sorted({int(pid) for pid in in_netns} | set(self._shim_pids()))
 
     def start(self, cluster: LocalCluster, timeout: float = 120.0) -> RealNode:
@@ -319,6 +401,7 @@ class RealNode:
                             f"node's {self.service_cidr}")
         self.cluster = cluster
         try:
+            self._mount_namespace_up()
             self._start_containerd()
             self._import_images()
             self._start_kubelet()
@@ -330,23 +413,71 @@ class RealNode:
         return self
 
     def _link_up(self) -> None:
-        _sh("ip", "netns", "add", NETNS)
-        _sh("ip", "link", "add", HOST_VETH, "type", "veth", "peer", "name", NODE_VETH,
-            "netns", NETNS)  # fmt: skip
-        _sh("ip", "addr", "add", f"{HOST_IP}/{LINK_PREFIX}", "dev", HOST_VETH)
-        _sh("ip", "link", "set", HOST_VETH, "up")
-        node = ["ip", "netns", "exec", NETNS]
-        _sh(*node, "ip", "addr", "add", f"{NODE_IP}/{LINK_PREFIX}", "dev", NODE_VETH)
-        _sh(*node, "ip", "link", "set", NODE_VETH, "up")
+        n = self.net
+        _sh("ip", "netns", "add", n.netns)
+        _sh("ip", "link", "add", n.host_veth, "type", "veth", "peer", "name", n.node_veth,
+            "netns", n.netns)  # fmt: skip
+        _sh("ip", "addr", "add", f"{n.host_ip}/{LINK_PREFIX}", "dev", n.host_veth)
+        _sh("ip", "link", "set", n.host_veth, "up")
+        node = ["ip", "netns", "exec", n.netns]
+        _sh(*node, "ip", "addr", "add", f"{n.node_ip}/{LINK_PREFIX}", "dev", n.node_veth)
+        _sh(*node, "ip", "link", "set", n.node_veth, "up")
         _sh(*node, "ip", "link", "set", "lo", "up")
-        _sh(*node, "ip", "route", "add", "default", "via", HOST_IP)
+        # Every node reaches the apiserver (HOST_IP) through its own link: the host delivers
+        # what is addressed to it whichever link it came in on.
+        _sh(*node, "ip", "route", "add", "default", "via", n.host_ip)
         # A Service address kube-proxy has not translated (yet) fails at once instead of
         # looping between host and node until its TTL runs out.
         _sh(*node, "ip", "route", "add", "unreachable", self.service_cidr)
         # Per-namespace: forwarding between pods, Services and the link happens in the node.
         _sh(*node, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-        for cidr in (POD_CIDR, self.service_cidr):
-            _sh("ip", "route", "add", cidr, "via", NODE_IP, "dev", HOST_VETH)
+        for cidr in self._host_routes():
+            _sh("ip", "route", "add", cidr, "via", n.node_ip, "dev", n.host_veth)
+
+    def _host_routes(self) -> list[str]:
+        """What the host routes into this node: its pods, and the Service range if it is the
+        node that translates the host's Service traffic."""
+        return [self.net.pod_cidr, *([self.service_cidr] if self.net.translates_host_services
+                                     else [])]  # fmt: skip
+
+    def _mount_namespace_up(self) -> None:
+        """A mount namespace of the node's own, where its kubelet and containerd run: it holds
+        the node's own pod log directories (kubelet 1.20 deletes every directory under its
+        fixed /var/log/pods that it does not know, another node's included) and every mount
+        they make (volumes, container root filesystems), which go with it. /run/netns stays
+        shared with the host, so pods' network namespaces are visible there as on any node."""
+        assert self.workdir is not None
+        run_dir = self.net.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # A namespace file can only be bound onto a mount that does not propagate.
+        _sh("mount", "--bind", str(run_dir), str(run_dir))
+        _sh("mount", "--make-private", str(run_dir))
+        self.mount_ns.touch()
+        binds = []
+        for shared, own in ((POD_LOGS, self.workdir / "pod-logs"),
+                            (CONTAINER_LOGS, self.workdir / "container-logs")):  # fmt: skip
+            own.mkdir(parents=True, exist_ok=True)
+            if not shared.exists():
+                shared.mkdir(parents=True)
+                self._made_dirs.append(shared)
+            binds.append(f"mount --bind {shlex.quote(str(own))} {shlex.quote(str(shared))}")
+        _sh("unshare", f"--mount={self.mount_ns}", "--propagation", "unchanged", "--",
+            "sh", "-c", " && ".join(binds))  # fmt: skip
+
+    def _make_cgroup_parent(self) -> None:
+        """The kubelet's ``--cgroup-root`` must exist in every hierarchy; cpuset needs its CPUs
+        and memory nodes before anything can join it."""
+        parent = self.net.cgroup_parent.strip("/")
+        if not parent:
+            return
+        for hierarchy in sorted(CGROUP_ROOT.iterdir()):
+            if not (hierarchy / "cgroup.procs").exists():
+                continue
+            own = hierarchy / parent
+            own.mkdir(exist_ok=True)
+            for name in ("cpuset.cpus", "cpuset.mems"):
+                if (own / name).exists() and not (own / name).read_text().strip():
+                    (own / name).write_text((hierarchy / name).read_text())
 
     def stop_kubelet(self) -> None:
         """Stop the kubelet alone (its pods keep running in containerd): the node goes
@@ -374,15 +505,15 @@ class RealNode:
 
     def _start_containerd(self) -> None:
         assert self.workdir is not None
-        RUN_DIR.mkdir(parents=True, exist_ok=True)
         cni_conf = self.workdir / "cni-conf"
         cni_conf.mkdir(exist_ok=True)
         (cni_conf / "10-kvbridge.conflist").write_text(
-            json.dumps(cni_config(self.workdir / "cni-ipam"), indent=1))
+            json.dumps(cni_config(self.workdir / "cni-ipam", self.net.pod_cidr), indent=1))
         config = self.workdir / "containerd.toml"
-        config.write_text(containerd_config(self.containerd_root, RUN_DIR / "containerd",
+        assert self.containerd_root is not None
+        config.write_text(containerd_config(self.containerd_root, self.net.run_dir / "containerd",
                                             self.socket, cni_conf, self.binaries.cni_dir))
-        self._spawn("containerd", _in_node(str(self.binaries.containerd), "--config",
+        self._spawn("containerd", self._in_node(str(self.binaries.containerd), "--config",
                                            str(config), "--log-level", "warn"))
         deadline = time.monotonic() + 30
         while self.ctr("version", check=False).returncode != 0:
@@ -423,9 +554,11 @@ class RealNode:
         resolv.write_text("")  # pods resolve nothing outside this machine
         kubeconfig = self.cluster.kubeconfig
         labels = ",".join(f"{k}={v}" for k, v in self.labels.items())
-        self._spawn("kubelet", _in_node(
+        self._make_cgroup_parent()
+        self._spawn("kubelet", self._in_node(
             str(self.binaries.kubelet), f"--kubeconfig={kubeconfig}",
-            f"--hostname-override={self.name}", f"--node-ip={NODE_IP}",
+            f"--hostname-override={self.name}", f"--node-ip={self.net.node_ip}",
+            f"--cgroup-root={self.net.cgroup_parent}",
             "--container-runtime=remote",
             f"--container-runtime-endpoint=unix://{self.socket}",
             "--cgroup-driver=cgroupfs", "--oom-score-adj=0", "--fail-swap-on=false",
@@ -438,12 +571,13 @@ class RealNode:
             "--eviction-hard=memory.available<100Mi,nodefs.available<1%,imagefs.available<1%",
             "--node-status-update-frequency=2s", "--sync-frequency=5s",
             "--runtime-request-timeout=2m", "--serialize-image-pulls=false",
-            *([f"--node-labels={labels}"] if labels else []), "-v=1",
+            *([f"--node-labels={labels}"] if labels else []),
+            *([f"--register-with-taints={','.join(self.taints)}"] if self.taints else []), "-v=1",
         ))  # fmt: skip
 
     def _start_proxy(self) -> None:
         assert self.cluster is not None
-        self._spawn("kube-proxy", _in_node(
+        self._spawn("kube-proxy", self._in_node(
             str(self.binaries.kube_proxy), f"--kubeconfig={self.cluster.kubeconfig}",
             f"--hostname-override={self.name}", "--proxy-mode=iptables",
             f"--cluster-cidr={POD_CIDR}", "--masquerade-all",
@@ -487,11 +621,12 @@ class RealNode:
             ("tasks", self._remove_tasks),
             ("containerd", lambda: self._terminate("containerd")),
             ("shims", self._kill_shims),
-            ("mounts", lambda: self._unmount_under(RUN_DIR, *filter(None, [self.workdir]))),
+            ("mounts", lambda: self._unmount_under(self.net.run_dir,
+                                                   *filter(None, [self.workdir]))),
             ("cgroups", self._remove_cgroups),
             ("netns", self._remove_pod_netns),
             ("link", self._remove_link),
-            ("logs", self._remove_pod_logs),
+            ("dirs", self._remove_made_dirs),
         ]
         for name, step in steps:
             start = time.monotonic()
@@ -500,13 +635,22 @@ class RealNode:
             except Exception as exc:  # keep going: every later step removes something else
                 log.warning("node teardown step %s failed: %s", name, exc)
             log.debug("node teardown step %s took %.1f s", name, time.monotonic() - start)
-        shutil.rmtree(RUN_DIR, ignore_errors=True)
+        shutil.rmtree(self.net.run_dir, ignore_errors=True)
         if self.workdir is not None and not os.environ.get("KVB_KEEP"):
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _drain_if_running(self) -> None:
-        if "kubelet" in self._procs and self._procs["kubelet"].poll() is None:
-            self._drain(time.monotonic() + 60)
+        if "kubelet" not in self._procs or self._procs["kubelet"].poll() is not None:
+            return
+        assert self.cluster is not None
+        if not _sh("ip", "-o", "addr", "show", "to", self.cluster.address).stdout.strip():
+            # The first node stopped before this one and took the apiserver's address with its
+            # link: a call now would leave the machine by its default route. Its pods go with
+            # the tasks, the shims and the namespaces below.
+            log.warning("not draining %s: the apiserver's address %s is gone (stop the first "
+                        "node last)", self.name, self.cluster.address)  # fmt: skip
+            return
+        self._drain(time.monotonic() + 60)
 
     def _drain(self, deadline: float) -> None:
         """Cordon the node, delete every pod bound to it and wait until containerd runs no
@@ -578,9 +722,10 @@ class RealNode:
         for point in sorted(self._mounts_under(*roots), key=len, reverse=True):
             _sh("umount", "-l", point, check=False)
 
-    @staticmethod
-    def _kubepods_cgroups() -> list[Path]:
-        return [d for d in CGROUP_ROOT.glob("*/kubepods") if d.is_dir()]
+    def _kubepods_cgroups(self) -> list[Path]:
+        """The node's pod cgroup trees (for a node with a parent of its own, that parent)."""
+        top = self.net.cgroup_parent.strip("/") or "kubepods"
+        return [d for d in CGROUP_ROOT.glob(f"*/{top}") if d.is_dir()]
 
     def _remove_cgroups(self) -> None:
         for top in self._kubepods_cgroups():
@@ -595,24 +740,25 @@ class RealNode:
         return sorted(now - self._netns_before)
 
     def _remove_pod_netns(self) -> None:
+        """Pod namespaces made since this node came up that no process uses any more (another
+        node's running pods keep theirs)."""
+        stale = set(_stale_pod_netns())
         for name in self._new_netns():
-            if name != NETNS:
+            if name in stale:
                 _remove_netns_file(name)
 
     def _remove_link(self) -> None:
-        for cidr in (POD_CIDR, self.service_cidr):
-            _sh("ip", "route", "del", cidr, "via", NODE_IP, check=False)
-        _sh("ip", "link", "del", HOST_VETH, check=False)
-        _sh("ip", "netns", "del", NETNS, check=False)
+        n = self.net
+        for cidr in (n.pod_cidr, self.service_cidr):
+            _sh("ip", "route", "del", cidr, "via", n.node_ip, check=False)
+        _sh("ip", "link", "del", n.host_veth, check=False)
+        _sh("ip", "netns", "del", n.netns, check=False)
 
-    def _remove_pod_logs(self) -> None:
-        if POD_LOGS.is_dir():
-            for name in set(os.listdir(POD_LOGS)) - self._pod_logs_before:
-                shutil.rmtree(POD_LOGS / name, ignore_errors=True)
-        if CONTAINER_LOGS.is_dir():
-            for link in CONTAINER_LOGS.iterdir():
-                if link.is_symlink() and not link.exists():
-                    link.unlink()
+    def _remove_made_dirs(self) -> None:
+        for path in self._made_dirs:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        self._made_dirs.clear()
 
     def leftovers(self) -> dict[str, list[str]]:
         """What a stopped node left on the host, by kind; empty lists when clean."""
@@ -620,10 +766,12 @@ class RealNode:
         sysctls = host_sysctls()
         routes = _sh("ip", "route", "show").stdout
         return {
-            "links": re.findall(rf"^\d+: ({HOST_VETH}|{BRIDGE}|veth\w+)[@:]", links, re.M),
-            "routes": [r for r in routes.splitlines() if NODE_IP in r],
+            "links": re.findall(rf"^\d+: ({self.net.host_veth}|{BRIDGE}|veth\w+)[@:]", links,
+                                re.M),
+            "routes": [r for r in routes.splitlines() if f"via {self.net.node_ip} " in r],
             "netns": self._new_netns(),
-            "mounts": self._mounts_under(RUN_DIR, *([self.workdir] if self.workdir else [])),
+            "mounts": self._mounts_under(self.net.run_dir,
+                                         *([self.workdir] if self.workdir else [])),
             "cgroups": [str(p) for p in self._kubepods_cgroups()],
             "shims": [str(p) for p in self._shim_pids()],
             "daemons": [n for n, p in self._procs.items() if p.poll() is None],
@@ -631,3 +779,20 @@ class RealNode:
             "host_sysctls": [f"{k}: {v} -> {sysctls.get(k)}"
                              for k, v in self._sysctls_before.items() if sysctls.get(k) != v],
         }
+
+
+def connect(a: RealNode, b: RealNode) -> None:
+    """A direct link between two nodes' network namespaces and a route to each other's pods:
+    one pod network over both nodes. The host does not forward (its ``ip_forward`` stays as it
+    is), so node-to-node traffic never passes through it; the link goes with either namespace."""
+    first, second = sorted((a, b), key=lambda n: n.index)
+    i, j = first.index, second.index
+    net = f"10.87.{200 + i}"  # one /30 per pair of nodes
+    ends = [(first, f"kvbp{j}", f"{net}.{4 * j + 1}"), (second, f"kvbp{i}", f"{net}.{4 * j + 2}")]
+    _sh("ip", "-n", first.net.netns, "link", "add", ends[0][1], "type", "veth", "peer",
+        "name", ends[1][1], "netns", second.net.netns)  # fmt: skip
+    for node, dev, addr in ends:
+        _sh("ip", "-n", node.net.netns, "addr", "add", f"{addr}/{LINK_PREFIX}", "dev", dev)
+        _sh("ip", "-n", node.net.netns, "link", "set", dev, "up")
+    for (node, _, _), (other, _, other_addr) in (ends, ends[::-1]):
+        _sh("ip", "-n", node.net.netns, "route", "add", other.net.pod_cidr, "via", other_addr)

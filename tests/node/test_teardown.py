@@ -1,7 +1,8 @@
 """Last in the node session (files run in name order): a deleted pod's KVEndpoint is garbage
 collected by the real controller, ``helm uninstall`` leaves nothing running, and stopping the
-node leaves no bridge, veth, iptables rule, network namespace, mount, cgroup or containerd
-task behind on the host; and what a crashed run left is cleared before the next node."""
+nodes leaves no bridge, veth, iptables rule, network namespace, mount, cgroup or containerd
+task of either node behind on the host; and what a crashed run left is cleared before the
+next node."""
 
 from __future__ import annotations
 
@@ -52,38 +53,46 @@ def test_helm_uninstall_leaves_nothing_running(api: Api, kube: Kube, node: Any,
         assert not out.strip(), f"left after uninstall: {out}"
 
 
-def test_stopped_node_leaves_nothing_on_the_host(api: Api, node: Any) -> None:
+def test_stopped_nodes_leave_nothing_on_the_host(api: Api, node: Any, second_node: Any) -> None:
+    """Both nodes stop (the second first, as the fixture does): no link, route, namespace,
+    mount, cgroup, shim or daemon of either is left, and the host's iptables rules and sysctls
+    (``ip_forward`` among them) are as they were before the first node came up."""
     for pod in api.core.list_namespaced_pod(AGENT_NS).items:  # still running: stop() drains
         assert pod.spec.node_name == node.name
-    node.stop()
-    leftovers = node.leftovers()
-    assert leftovers == {k: [] for k in leftovers}, leftovers
+    for n in (second_node, node):
+        n.stop()
+    for n in (second_node, node):
+        leftovers = n.leftovers()
+        assert leftovers == {k: [] for k in leftovers}, (n.name, leftovers)
 
 
-def test_a_crashed_runs_leftovers_are_cleared_and_a_live_node_is_never_touched() -> None:
+@pytest.mark.parametrize("index", [0, 1], ids=["first-node", "second-node"])
+def test_a_crashed_runs_leftovers_are_cleared_and_a_live_node_is_never_touched(
+        index: int) -> None:  # fmt: skip
     """A node killed without its teardown (a CI job cut off mid-run) leaves its link, routes,
     namespaces and mounts; the next node clears them, but refuses while a process lives there."""
-    crashed = kn.RealNode(images=[]).link_up()  # its teardown never runs: the "crash"
+    net = kn.NodeNet(index)
+    crashed = kn.RealNode(images=[], index=index).link_up()  # no teardown: the "crash"
     stale_pod_netns = "cni-kvbtest-crashed"
     subprocess.run(["ip", "netns", "add", stale_pod_netns], check=True)
-    kn.RUN_DIR.mkdir(parents=True, exist_ok=True)
-    (kn.RUN_DIR / "shm").mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(kn.RUN_DIR / "shm")], check=True)
-    survivor = subprocess.Popen(["ip", "netns", "exec", kn.NETNS, "sleep", "300"])
-    nxt = kn.RealNode(images=[])
+    net.run_dir.mkdir(parents=True, exist_ok=True)
+    (net.run_dir / "shm").mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(net.run_dir / "shm")], check=True)
+    survivor = subprocess.Popen(["ip", "netns", "exec", net.netns, "sleep", "300"])
+    nxt = kn.RealNode(images=[], index=index)
     try:
-        wait_for(lambda: str(survivor.pid) in _netns_pids(kn.NETNS), timeout=10,
+        wait_for(lambda: str(survivor.pid) in _netns_pids(net.netns), timeout=10,
                  what="a process inside the crashed node's namespace")  # fmt: skip
         refusal = rf"another node runs here: processes .*{survivor.pid}"
         with pytest.raises(kn.NodeError, match=refusal):
             nxt.link_up()
-        assert Path(f"/run/netns/{kn.NETNS}").exists()  # refused: nothing was removed
-        assert (kn.RUN_DIR / "shm").is_mount()
+        assert Path(f"/run/netns/{net.netns}").exists()  # refused: nothing was removed
+        assert (net.run_dir / "shm").is_mount()
         survivor.kill()
         survivor.wait()
         nxt.link_up()
         assert not Path(f"/run/netns/{stale_pod_netns}").exists()
-        assert not kn.RUN_DIR.exists()
+        assert not net.run_dir.exists()
         assert crashed.workdir is not None and not crashed.workdir.exists()
     finally:
         survivor.kill()
