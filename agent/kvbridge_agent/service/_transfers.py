@@ -24,6 +24,19 @@ __all__ = ["Transfers"]
 log = logging.getLogger("kvbridge.agent")
 
 
+#: A blocked caller polls about this many times over the time its transfer has taken so far.
+POLLS_PER_ELAPSED = 20
+MIN_POLL_PAUSE_S, MAX_POLL_PAUSE_S = 50e-6, 2e-3
+
+
+def poll_pause(elapsed_s: float) -> float:
+    """How long a caller blocked on a transfer waits before polling again: a twentieth of the
+    time the transfer has taken so far, between 50 us and 2 ms. Its completion is then seen
+    within about 5% of its duration (a fixed 2 ms cost a TCP pull of ~9 ms about 10%), and
+    each poll also drives the transport's progress in the caller's thread."""
+    return min(max(elapsed_s / POLLS_PER_ELAPSED, MIN_POLL_PAUSE_S), MAX_POLL_PAUSE_S)
+
+
 class Transfers:
     """Requests in flight on this agent's mover and the outcomes not yet handed out."""
 
@@ -92,7 +105,7 @@ class Transfers:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return self.failed(request_id, "timeout", "no result before the deadline")
-                c.cond.wait(timeout=min(left, 0.002))
+                c.cond.wait(timeout=min(left, poll_pause(time.perf_counter() - started)))
             res = self._results.pop(request_id)
             seconds = time.perf_counter() - self._started.pop(request_id, started)
         return self._outcome(request_id, res, seconds)
