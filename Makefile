@@ -54,7 +54,7 @@ test: venv lint test-stack node-images vllm-venv
 demo: venv
 	$(PY) demo/run_demo.py
 
-bench: venv vllm-venv
+bench: venv vllm-venv node-images
 	@set -e; for b in bench/bench_*.py; do echo ">> $$b" >&2; $(PY) $$b; done
 
 clean:

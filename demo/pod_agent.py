@@ -9,7 +9,8 @@ Commands: ``status``; ``exit``; ``clear`` (zero the memory); ``verify`` (compare
 for byte against a producer's seeded pattern). Pull mode: ``pull`` (decode: read blocks, then
 ``verify`` them), ``hold`` / ``completions`` (prefill). Push mode: ``expect`` (decode: the
 local blocks a request will be written into), ``push`` (prefill: WRITE them),
-``wait_received`` (decode, then ``verify``) and ``completions`` (decode).
+``wait_received`` (decode, then ``verify``) and ``completions`` (decode). ``bench_pull``
+(decode) times the same READ through the agent and as a raw NIXL READ, rep by rep.
 
 ``--tp-rank`` / ``--tp-size`` make the process one TP rank of its engine (one pod per rank).
 
@@ -29,6 +30,8 @@ import argparse
 import json
 import logging
 import os
+import random
+import statistics
 import subprocess
 import sys
 import time
@@ -157,6 +160,69 @@ class PodAgent:
             cmd["remote_block_ids"], expected_epoch=cmd.get("expected_epoch"),
             timeout_s=cmd.get("timeout_s")))
 
+    def raw_read(self, engine_id: str, local: list[list[int]], remote: list[list[int]],
+                 notify: str = "") -> tuple[float, int]:  # fmt: skip
+        """One raw prepared NIXL READ over the agent's own prepared lists and descriptor ids
+        for these blocks (no planning or bookkeeping; with ``notify``, carrying the completion
+        notification of that request id, as the agent's READ does): seconds and bytes."""
+        engine = self.service.pull_engine
+        route = engine._route(engine_id) if engine is not None else None
+        ids = route.read_ids(local, remote) if route is not None else None
+        if route is None or ids is None:
+            raise ValueError(f"no single-READ route from this decode to {engine_id!r}")
+        nixl = engine.agent._agent
+        lids, rids = ids[0].astype(np.int32), ids[1].astype(np.int32)
+        from kvbridge_agent.nixl import completion_message
+
+        notif = completion_message(notify, route.local_consumers) if notify else b""
+        t = time.perf_counter()
+        handle = nixl.make_prepped_xfer("READ", route.local_list.handle, lids,
+                                        route.remote_list.handle, rids, notif)
+        state = nixl.transfer(handle)
+        deadline = time.monotonic() + 60
+        while state == "PROC" and time.monotonic() < deadline:
+            state = nixl.check_xfer_state(handle)
+        handle.release()
+        seconds = time.perf_counter() - t
+        if state != "DONE":
+            raise RuntimeError(f"raw READ from {engine_id!r} ended {state}")
+        return seconds, ids[2]
+
+    def bench_pull(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The same blocks read through the agent (``pull``), by :meth:`raw_read` and by
+        :meth:`raw_read` carrying the completion notification, interleaved rep by rep in a new
+        random order, each timed around the call: what the agent adds over NIXL between these
+        two pods, and what of it the notification (which the protocol requires) costs. The
+        prefill must hold ``<request_id>-<rep>`` and ``<request_id>-<rep>-n`` for every rep."""
+        local, remote = cmd["local_block_ids"], cmd["remote_block_ids"]
+        engine_id, reps, rid = cmd["remote_engine_id"], int(cmd.get("reps", 15)), cmd["request_id"]
+        times: dict[str, list[float]] = {"agent": [], "raw": [], "raw_notified": []}
+        nbytes = 0
+        for rep in range(reps):
+            for who in random.sample(sorted(times), len(times)):
+                t = time.perf_counter()
+                if who == "agent":
+                    res = self.service.pull(f"{rid}-{rep}", engine_id, local, remote,
+                                            timeout_s=cmd.get("timeout_s"))  # fmt: skip
+                    if not res.ok:
+                        return {"ok": False, "cause": res.cause, "message": res.message}
+                    times[who].append(time.perf_counter() - t)
+                else:
+                    notify = f"{rid}-{rep}-n" if who == "raw_notified" else ""
+                    seconds, nbytes = self.raw_read(engine_id, local, remote, notify)
+                    times[who].append(seconds)
+        median = {who: statistics.median(ts) for who, ts in times.items()}
+        out = {"ok": True, "reps": reps, "nbytes": nbytes,
+               **{f"{who}_gbps": nbytes / m / 1e9 for who, m in median.items()},
+               **{f"{who}_ms": m * 1e3 for who, m in median.items()},
+               "ratio": median["raw"] / median["agent"]}  # fmt: skip
+        if cmd.get("verify_seed") is not None:  # the raw READ moved the same bytes
+            for b in self.bufs:
+                b.fill(0)
+            self.raw_read(engine_id, local, remote)
+            out["verified"] = self.verify(int(cmd["verify_seed"]), local, remote)
+        return out
+
     def verify(self, seed: int, local: list[list[int]], remote: list[list[int]]) -> bool:
         blen = block_len(self.args.preset)
         for i, (_, g) in enumerate(REGIONS):
@@ -173,6 +239,8 @@ class PodAgent:
             return self.status()
         if op == "pull":
             return self.pull(cmd)
+        if op == "bench_pull":
+            return self.bench_pull(cmd)
         if op == "hold":
             self.service.hold(cmd["request_ids"], cmd.get("lease_s"))
             return {"ok": True}
