@@ -1,4 +1,4 @@
-"""Serving pods on a real node (kvbridge_testkit.node): the agent image's engine stand-in
+"""Serving pods on real nodes (kvbridge_testkit.node): the agent image's engine stand-in
 (demo/pod_agent.py) as a real container, and a handle that drives it over its TCP control
 port. Used by ``make demo`` on a real node and by tests/node."""
 
@@ -6,12 +6,28 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 from typing import Any
 
 CONTROL_PORT = 7000
 #: The agent's Prometheus metrics, on the container port the chart's PodMonitor scrapes.
 METRICS_PORT = 9400
 AGENT_SA = "kvbridge-agent"
+ZONE_KEY = "topology.kubernetes.io/zone"
+ZONES = ("zone-a", "zone-b")  # the first node's, the second node's
+#: The second node holds only the sandbox and agent images: only pods placed there on purpose
+#: (``in_zone``) may land on it.
+SECOND_NODE_TAINT_KEY = "kvbridge.io/agent-images-only"
+SECOND_NODE_TAINT = f"{SECOND_NODE_TAINT_KEY}=true:NoSchedule"
+
+
+def in_zone(pod: dict[str, Any], zone: str) -> dict[str, Any]:
+    """``pod`` placed by kube-scheduler onto a node of ``zone`` (its real node label),
+    tolerating the second node's taint."""
+    pod["spec"]["nodeSelector"] = {ZONE_KEY: zone}
+    pod["spec"]["tolerations"] = [{"key": SECOND_NODE_TAINT_KEY, "operator": "Exists",
+                                   "effect": "NoSchedule"}]  # fmt: skip
+    return pod
 
 
 def agent_pod(name: str, role: str, image: str, *, engine_id: str | None = None,
@@ -62,6 +78,20 @@ def agent_pod(name: str, role: str, image: str, *, engine_id: str | None = None,
             "volumes": [{"name": "tmp", "emptyDir": {}}],
         },
     }  # fmt: skip
+
+
+def two_nodes(images: dict[str, str], **node_args: Any) -> list[Any]:
+    """The two nodes ``make demo``, tests/node and bench/bench_pods.py run: the first in
+    ``zone-a`` with every image, the second in ``zone-b``, tainted, with the sandbox and agent
+    images only (the vLLM image stays on the first). Not started: ``link_up`` both, start the
+    control plane, ``start`` both, then ``kvbridge_testkit.node.connect`` them."""
+    from kvbridge_testkit import node as kn
+
+    second_images = [Path(images[k]) for k in ("KVB_IMAGE_PAUSE_TAR", "KVB_IMAGE_AGENT_TAR")]
+    return [kn.RealNode(images=kn.image_archives(images), labels={ZONE_KEY: ZONES[0]},
+                        **node_args),
+            kn.RealNode(images=second_images, labels={ZONE_KEY: ZONES[1]},
+                        taints=[SECOND_NODE_TAINT], index=1, **node_args)]  # fmt: skip
 
 
 def image_values(image: str) -> list[str]:

@@ -1,11 +1,12 @@
 """`make demo`: kvbridge end to end on this machine, in one command.
 
 On a machine that can run one (root, cgroup v1, network namespaces), everything runs as it
-would for a user: a real kubelet node (kvbridge_testkit.node) runs the operator from the
-chart, unmodified, and the serving pods from images built here (hack/node-images.sh). Where
-the node cannot start, the demo says why and falls back to simulated pods: real Pod objects
-on a node simulator, each backed by an agent process (demo/sim.py), with the operator as a
-local ``kopf run``. ``KVBRIDGE_DEMO=simulated`` (or ``node``) chooses explicitly.
+would for a user: two real kubelet nodes in two zones on one pod network
+(kvbridge_testkit.node) run the operator from the chart, unmodified, and the serving pods from
+images built here (hack/node-images.sh). Where the nodes cannot start, the demo says why and
+falls back to simulated pods: real Pod objects on a node simulator, each backed by an agent
+process (demo/sim.py), with the operator as a local ``kopf run``. ``KVBRIDGE_DEMO=simulated``
+(or ``node``) chooses explicitly.
 
 1. ensure the binaries (hack/test-stack.sh ensure; the first run builds them, ~8 minutes, and
    on a real node the images, ~3 minutes), start etcd + kube-apiserver +
@@ -13,10 +14,12 @@ local ``kopf run``. ``KVBRIDGE_DEMO=simulated`` (or ``node``) chooses explicitly
 2. install the Helm chart (real node: the operator Deployment from the local image, its
    webhook behind its Service; simulated: the operator as a local process with the chart's
    ServiceAccount token and a loopback webhook);
-3. apply examples/demo-kvtransfer.yaml; start a prefill and a decode pod (real containers, or
-   agent processes with real memory and real NIXL, pod-bound tokens either way);
+3. apply examples/demo-kvtransfer.yaml; start a prefill and a decode pod (real containers, the
+   decode on the second node; or agent processes with real memory and real NIXL; pod-bound
+   tokens either way);
 4. show the pairing and the preflight handshakes, run a grouped + mixed-memory pull with
-   byte-exact verification and its throughput;
+   byte-exact verification (across nodes, on real nodes), its throughput and the transport
+   UCX chose;
 5. show the admission webhook refusing a malformed KVEndpoint (tpRank >= tpSize) and a pod
    overwriting another pod's endpoint, with their messages;
 6. start an incompatible decode pod and show the operator refusing it, with the reason;
@@ -24,8 +27,8 @@ local ``kopf run``. ``KVBRIDGE_DEMO=simulated`` (or ``node``) chooses explicitly
    up (also on Ctrl-C).
 
 With Prometheus installed (``make test-stack`` installs Debian's), a real Prometheus on this
-machine (kvbridge_testkit.prometheus) scrapes the operator and the agents (on a real node: the
-pod IPs, which the host routes to the node) with the chart's alert rules: the demo prints its
+machine (kvbridge_testkit.prometheus) scrapes the operator and the agents (on real nodes: the
+pod IPs, which the host routes to each node) with the chart's alert rules: the demo prints its
 scrape targets, and the KVBridgeTransferDegraded alert firing when the incompatible decode pod
 joins and resolving when it is removed.
 """
@@ -92,8 +95,9 @@ def main() -> int:
         say("cleaned up (agents, operator, control plane)")
 
 
-#: start_pod(name, role, engine_id, preset, seed) -> (a pod handle with call/status, where)
-StartPod = Callable[[str, str, str, str, int], tuple[Any, str]]
+#: start_pod(name, role, engine_id, preset, seed, zone) -> (a pod handle with call/status,
+#: where); zone None: wherever the scheduler puts it (on real nodes: the first node)
+StartPod = Callable[[str, str, str, str, int, str | None], tuple[Any, str]]
 
 
 @dataclass
@@ -140,9 +144,9 @@ def run(cleanup: list) -> int:
     prom = start_prometheus(stage, binaries, cleanup)
     started: dict[str, Any] = {}
 
-    def start_pod(name: str, role: str, engine: str, preset: str, seed: int
-                  ) -> tuple[Any, str]:  # fmt: skip
-        handle, where = stage.start_pod(name, role, engine, preset, seed)
+    def start_pod(name: str, role: str, engine: str, preset: str, seed: int,
+                  zone: str | None = None) -> tuple[Any, str]:  # fmt: skip
+        handle, where = stage.start_pod(name, role, engine, preset, seed, zone)
         started[name] = handle
         if prom is not None:
             scrape_agents(prom, started)
@@ -155,7 +159,8 @@ def run(cleanup: list) -> int:
     sa = f"{RELEASE}-agent"
     p, where = start_pod("prefill-0", "prefill", "prefill-engine", "grouped", 42)
     say(f"pod prefill-0 Running: {where} (grouped regions)")
-    d, where = start_pod("decode-0", "decode", "decode-engine", "mixed", 0)
+    # On real nodes the decode runs on the second node (zone-b): its pulls cross the pod network.
+    d, where = start_pod("decode-0", "decode", "decode-engine", "mixed", 0, "zone-b")
     say(f"pod decode-0 Running: {where} (mixed regions)")
 
     wait_until(lambda: handshakes_ok(d) and handshakes_ok(p), timeout=90,
@@ -231,13 +236,16 @@ def run(cleanup: list) -> int:
 
 
 def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
-    """A real node; the chart's operator Deployment and the serving pods run as containers."""
+    """Two real nodes on one pod network; the chart's operator Deployment and the serving
+    pods run as containers."""
     from kubernetes import client
     from node_pods import (
         NodePod,
         agent_pod,
         image_values,
+        in_zone,
         ready_pod,
+        two_nodes,
     )
     from sim import wait_until
 
@@ -247,20 +255,26 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
     say("node images: operator and agent from the Dockerfile, built with buildah over a Debian "
         "base (hack/node-images.sh; ~3 minutes the first time, then cached) ...")
     images = kn.node_images(build=True)
-    node = kn.RealNode(images=kn.image_archives(images), binaries=node_binaries,
-                       labels={"topology.kubernetes.io/zone": "zone-a"})
-    cleanup.append(node.stop)   # also when the cluster never comes up: the link goes
-    node.link_up()
+    nodes = two_nodes(images, binaries=node_binaries)
+    for node in nodes:
+        cleanup.append(node.stop)   # also when the cluster never comes up: the link goes
+        node.link_up()
     say("starting etcd, kube-apiserver, kube-controller-manager, kube-scheduler ...")
     cluster = kc.LocalCluster(binaries=binaries, address=kn.HOST_IP, real_nodes=True,
                               service_cidr=kn.SERVICE_CIDR).start()
     cleanup.append(cluster.stop)
-    say("starting containerd, kubelet and kube-proxy (a network namespace of their own) ...")
-    node.start(cluster)
-    cleanup.append(node.stop)   # before the apiserver goes: pods are deleted through it
+    say("starting two nodes: containerd, kubelet and kube-proxy, each in network and mount "
+        "namespaces of their own, one pod network over both ...")
+    for node in nodes:
+        node.start(cluster)
+        cleanup.append(node.stop)   # before the apiserver goes: pods are deleted through it
+    kn.connect(*nodes)
     k = cluster.kubectl
-    say(f"control plane up at {cluster.server}; node {node.name} Ready "
-        f"(kubelet {kc.KUBE_VERSION}, containerd, images {', '.join(node.image_names()[:3])})")
+    for node in nodes:
+        say(f"node {node.name} Ready ({', '.join(f'{k}={v}' for k, v in node.labels.items())}"
+            f"{', tainted ' + ' '.join(node.taints) if node.taints else ''}; pods in "
+            f"{node.net.pod_cidr}; images {', '.join(node.image_names()[:3])})")
+    say(f"control plane up at {cluster.server} (kubelet {kc.KUBE_VERSION})")
 
     k("create", "namespace", NS)
     values = image_values(images["KVB_IMAGE_OPERATOR"])
@@ -275,11 +289,11 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
         "the apiserver calls its admission webhook through the kvbridge-webhook Service")
     core = client.CoreV1Api(cluster.api_client())
 
-    def start_pod(name: str, role: str, engine: str, preset: str, seed: int
+    def start_pod(name: str, role: str, engine: str, preset: str, seed: int, zone: str | None
                   ) -> tuple[Any, str]:  # fmt: skip
-        core.create_namespaced_pod(NS, agent_pod(
-            name, role, images["KVB_IMAGE_AGENT"], engine_id=engine, preset=preset, seed=seed,
-            service_account=f"{RELEASE}-agent"))
+        pod = agent_pod(name, role, images["KVB_IMAGE_AGENT"], engine_id=engine, preset=preset,
+                        seed=seed, service_account=f"{RELEASE}-agent")
+        core.create_namespaced_pod(NS, in_zone(pod, zone) if zone else pod)
         pod = wait_until(lambda: ready_pod(core, NS, name), timeout=120, interval=0.5,
                          what=f"pod {name} Ready")
         handle = NodePod(name, pod.status.pod_ip, engine_id=engine, preset=preset)
@@ -477,8 +491,9 @@ def setup_simulated(binaries: kc.Binaries, cleanup: list) -> Stage:
     pods: list[SimPod] = []
     cleanup.append(lambda: [p.close() for p in pods])
 
-    def start_pod(name: str, role: str, engine: str, preset: str, seed: int
-                  ) -> tuple[Any, str]:  # fmt: skip
+    def start_pod(name: str, role: str, engine: str, preset: str, seed: int,
+                  _zone: str | None) -> tuple[Any, str]:  # fmt: skip
+        """Every simulated pod on the one simulated node (the zone is for real nodes)."""
         pod = SimPod(cluster, NS, name, role=role, engine_id=engine, preset=preset,
                      seed=seed, sa=f"{RELEASE}-agent", extra_args=["--metrics-port", "0"])
         pods.append(pod)

@@ -1,7 +1,9 @@
-"""Fixtures for the real-node tests: one control plane and one kubelet node per session
-(kvbridge_testkit.node), the chart installed from the locally built operator image, and a
-prefill/decode pair of agent pods. Missing binaries or images FAIL the session: CI must run
-these (``make test`` builds them)."""
+"""Fixtures for the real-node tests: one control plane and two kubelet nodes per session
+(kvbridge_testkit.node), one pod network over both, the chart installed from the locally built
+operator image, and a prefill/decode pair of agent pods on the first node. The second node is
+in another zone, holds only the sandbox and agent images, and is tainted so that only pods
+meant for it (``nodelib.in_zone``) land there. Missing binaries or images FAIL the session: CI
+must run these (``make test`` builds them)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ import pytest
 import yaml
 from chartlib import CHART, Kube
 from kvb_e2e import Api, wait_for
-from node_pods import agent_pod, image_values
+from node_pods import agent_pod, image_values, two_nodes
 from nodelib import (
     AGENT_NS,
     OPERATOR_NS,
     RELEASE,
+    ZONES_NS,
     preflighted,
     wait_pod_ready,
     wait_rollout,
@@ -24,8 +27,6 @@ from nodelib import (
 from kvbridge_operator import testing as manifests
 from kvbridge_testkit import cluster as kc
 from kvbridge_testkit import node as kn
-
-ZONE = {"topology.kubernetes.io/zone": "zone-a"}
 
 
 @pytest.fixture(scope="session")
@@ -38,35 +39,47 @@ def images() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def node_cluster(images: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-                 ) -> Iterator[tuple[kc.LocalCluster, kn.RealNode]]:  # fmt: skip
+                 ) -> Iterator[tuple[kc.LocalCluster, list[kn.RealNode]]]:  # fmt: skip
     try:
         binaries, node_binaries = kc.Binaries.find(), kn.NodeBinaries.find()
     except kc.StackMissingError as exc:
         pytest.fail(str(exc), pytrace=False)
-    archives = kn.image_archives(images)
-    node = kn.RealNode(images=archives, labels=ZONE, binaries=node_binaries).link_up()
+    nodes = two_nodes(images, binaries=node_binaries)
     try:
+        for node in nodes:
+            node.link_up()
         cluster = kc.LocalCluster(workdir=tmp_path_factory.mktemp("node-cluster"),
                                   binaries=binaries, address=kn.HOST_IP, real_nodes=True,
                                   service_cidr=kn.SERVICE_CIDR)  # fmt: skip
         with cluster:
             try:
-                node.start(cluster)
-                yield cluster, node
+                for node in nodes:
+                    node.start(cluster)
+                kn.connect(*nodes)
+                yield cluster, nodes
             finally:
-                node.stop()  # before the apiserver goes: pods are deleted through it
+                for node in reversed(nodes):
+                    node.stop()  # before the apiserver goes: pods are deleted through it
     finally:
-        node.stop()
+        for node in reversed(nodes):
+            node.stop()
 
 
 @pytest.fixture(scope="session")
-def cluster(node_cluster: tuple[kc.LocalCluster, kn.RealNode]) -> kc.LocalCluster:
+def cluster(node_cluster: tuple[kc.LocalCluster, list[kn.RealNode]]) -> kc.LocalCluster:
     return node_cluster[0]
 
 
 @pytest.fixture(scope="session")
-def node(node_cluster: tuple[kc.LocalCluster, kn.RealNode]) -> kn.RealNode:
-    return node_cluster[1]
+def node(node_cluster: tuple[kc.LocalCluster, list[kn.RealNode]]) -> kn.RealNode:
+    """The first node: the operator, the agents fixture's pods and the vLLM pods run here."""
+    return node_cluster[1][0]
+
+
+@pytest.fixture(scope="session")
+def second_node(node_cluster: tuple[kc.LocalCluster, list[kn.RealNode]]) -> kn.RealNode:
+    """The second node, in the second zone: only pods that tolerate its taint land here."""
+    return node_cluster[1][1]
 
 
 @pytest.fixture(scope="session")
@@ -82,11 +95,11 @@ def api(cluster: kc.LocalCluster) -> Api:
 @pytest.fixture(scope="session")
 def release(kube: Kube, images: dict[str, str]) -> Iterator[str]:
     """The chart, unmodified, installed with the local operator image; agents in AGENT_NS."""
-    kube.create_namespace(OPERATOR_NS)
-    kube.create_namespace(AGENT_NS)
+    for ns in (OPERATOR_NS, AGENT_NS, ZONES_NS):
+        kube.create_namespace(ns)
     kube.helm("install", RELEASE, str(CHART), "-n", OPERATOR_NS,
               *image_values(images["KVB_IMAGE_OPERATOR"]),
-              "--set", f"agent.namespaces={{{AGENT_NS}}}", timeout=180)  # fmt: skip
+              "--set", f"agent.namespaces={{{AGENT_NS},{ZONES_NS}}}", timeout=180)  # fmt: skip
     wait_rollout(kube)
     # Ready pods are not yet a reachable Service: wait until kube-proxy routes the API
     # server's webhook calls to the operator (a server-side dry run goes through the webhook).

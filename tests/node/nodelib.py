@@ -16,6 +16,8 @@ from node_pods import agent_call, ready_pod
 
 AGENT_NS = "kvb-agents"
 RELEASE, OPERATOR_NS = "kvbridge", "kvbridge-system"
+#: Agents spread over both nodes, one KVTransfer pairing them by zone (tests/node/test_cross_node).
+ZONES_NS = "kvb-zones"
 
 
 def wait_rollout(kube: Kube, timeout: int = 180) -> None:
@@ -39,9 +41,9 @@ def wait_pod_ready(api: Api, ns: str, name: str, timeout: float = 120) -> Any:
                     what=f"pod {ns}/{name} Ready")  # fmt: skip
 
 
-def preflighted(api: Api, pod: str) -> bool:
+def preflighted(api: Api, pod: str, ns: str = AGENT_NS) -> bool:
     """Every handshake the agent in ``pod`` reports has succeeded, and there is one."""
-    shakes = agent_call(pod_ip(api, AGENT_NS, pod), {"cmd": "status"})["handshakes"]
+    shakes = agent_call(pod_ip(api, ns, pod), {"cmd": "status"})["handshakes"]
     return bool(shakes) and all(h["state"] == "Succeeded" for h in shakes)
 
 

@@ -18,7 +18,6 @@ from kvb_e2e import Api, wait_for
 from node_pods import agent_call
 from nodelib import (
     AGENT_NS,
-    OPERATOR_NS,
     container_pid,
     env_of,
     pod_ip,
@@ -26,7 +25,6 @@ from nodelib import (
     process_identity,
     token_claims,
     wait_pod_ready,
-    wait_services_serving,
 )
 
 pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.nixl, pytest.mark.slow]
@@ -109,32 +107,3 @@ def test_killed_agent_restarts_with_new_epoch_and_pair_reforms(api: Api, node: A
     api.wait_condition(AGENT_NS, "Ready", "True", timeout=60)
     result = pull_all(api, agents, "node-r2")
     assert result["ok"] and result["verified"], result
-
-
-def test_a_node_whose_kubelet_stops_loses_its_pairs_and_gets_them_back(
-        api: Api, node: Any, agents: dict[str, str]) -> None:  # fmt: skip
-    """The real kubelet stops: kube-controller-manager marks the node NotReady after its grace
-    period, the operator drops the pairs on it and says which; the kubelet comes back, the
-    node is Ready, the pair re-forms and verifies with no manual step."""
-    api.wait_condition(AGENT_NS, "Ready", "True", timeout=60)
-    node.stop_kubelet()
-    try:
-        degraded = api.wait_condition(AGENT_NS, "Degraded", "True", reason="NodeNotReady",
-                                      timeout=120)  # the node controller's 40 s grace period
-        ready = {c.type: c.status for c in api.core.read_node(node.name).status.conditions}
-        assert ready["Ready"] != "True"
-        st = api.endpoint(AGENT_NS, agents["decode"])["status"]
-        assert (st["state"], st["reason"]) == ("Excluded", "NodeNotReady")
-    finally:
-        node.start_kubelet()
-    assert f"lost their pairs on node(s) not Ready ({node.name})" in degraded["message"]
-    assert agents["decode"] in degraded["message"] and agents["prefill"] in degraded["message"]
-
-    api.wait_condition(AGENT_NS, "Ready", "True", timeout=120)
-    api.wait_condition(AGENT_NS, "Degraded", "False", timeout=60)
-    assert api.endpoint(AGENT_NS, agents["decode"])["status"]["state"] == "Paired"
-    result = pull_all(api, agents, "node-r3")
-    assert result["ok"] and result["verified"], result
-    # Leave the node as found for the next tests: while it was NotReady its pods were taken
-    # out of their Services (the operator's webhook and metrics among them).
-    wait_services_serving(api, [OPERATOR_NS, AGENT_NS])
