@@ -110,6 +110,19 @@ def test_a_pull_across_nodes_is_byte_exact_and_costs_what_raw_nixl_costs(
     shake = handshake(api, DECODE_B, PREFILL_A)
     assert shake["transport"] == "tcp" and "tcp/eth0" in shake["transportDetail"], shake
 
+    # A KVTransfer that accepts only what a GPU cluster should use names both pairs' fallback.
+    api.patch("kvtransfers", ZONES_NS, "kvt", {"spec": {"transport": {"accepted": [
+        "rc", "cuda_ipc"]}}})
+    degraded = api.wait_condition(ZONES_NS, "Degraded", "True", reason="TransportFallback",
+                                  timeout=60)  # fmt: skip
+    for decode in (DECODE_A, DECODE_B):
+        assert f"{decode} <- {PREFILL_A} over tcp" in degraded["message"], degraded
+    assert [i.get("transports") for i in api.transfer(ZONES_NS)["status"]["pairs"]["items"]
+            ] == [["tcp"], ["tcp"]]  # fmt: skip
+    api.patch("kvtransfers", ZONES_NS, "kvt", {"spec": {"transport": {"accepted": [
+        "rc", "cuda_ipc", "tcp"]}}})
+    api.wait_condition(ZONES_NS, "Degraded", "False", timeout=60)
+
     # The same 256 descriptors through the agent and as a raw NIXL READ, rep by rep, on one
     # node and across nodes (figures in the log; no wall-clock threshold in a test).
     prefill_ip = pod_ip(api, ZONES_NS, PREFILL_A)
@@ -146,7 +159,7 @@ def test_required_scope_never_pairs_across_the_real_zones(api: Api, zoned: str) 
 
 
 def test_a_lost_node_drops_only_its_pairs_and_they_come_back(
-        api: Api, second_node: Any, zoned: str) -> None:  # fmt: skip
+        api: Api, second_node: Any, zoned: str, agents: dict[str, str]) -> None:  # fmt: skip
     """The second node's kubelet stops: once kube-controller-manager marks it NotReady the
     operator drops the pairs on it and names them, while the first node's pairs (in both
     KVTransfers) stay Ready and keep moving bytes; the kubelet comes back and the pairs re-form

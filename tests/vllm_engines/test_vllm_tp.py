@@ -15,6 +15,7 @@ share of a block is a contiguous slice of the other side's).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -92,13 +93,18 @@ def rank_digests(engine: EngineProcess, ids: list[list[int]], heads: list[int]
     return [r["sha256"] for r in reply["ranks"]]
 
 
-def warm_pair(prefill: EngineProcess, decode: EngineProcess, attempts: int = 4) -> None:
+def warm_pair(prefill: EngineProcess, decode: EngineProcess, attempts: int = 8,
+              pause_s: float = 3.0) -> None:  # fmt: skip
     """One P/D request, repeated until it is received, before the checked ones: the pair's
     first READ needs the prefill to answer UCX's wire-up, which a CPU stall on this 2-core
     machine can delay past vLLM's fixed 5 s handshake timeout (README, Known limitations).
-    Once a READ has completed, later ones need nothing of the prefill's process."""
+    Once a READ has completed, later ones need nothing of the prefill's process. A pause
+    between attempts lets a stall pass (one CI run saw 4 attempts in a row fail in vLLM's
+    own TP-2 decode)."""
     prompts = RandomPrompts(7)
-    for _ in range(attempts):
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(pause_s)
         decode.call({"cmd": "transfers"})
         pd_generate(prefill, decode, [prompts(80)], 1)
         received = received_ok(decode)
