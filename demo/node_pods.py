@@ -13,6 +13,11 @@ CONTROL_PORT = 7000
 #: The agent's Prometheus metrics, on the container port the chart's PodMonitor scrapes.
 METRICS_PORT = 9400
 AGENT_SA = "kvbridge-agent"
+#: The seed of the prefill's memory pattern (``agent_pod``'s default), which pulls verify.
+PATTERN_SEED = 7
+#: Every block of both transfer groups of the agent's ``grouped`` preset: 4 regions of 64
+#: blocks of 16 KiB, 4 MiB in 256 descriptors.
+ALL_BLOCKS = [list(range(64)), list(range(64))]
 ZONE_KEY = "topology.kubernetes.io/zone"
 ZONES = ("zone-a", "zone-b")  # the first node's, the second node's
 #: The second node holds only the sandbox and agent images: only pods placed there on purpose
@@ -31,7 +36,7 @@ def in_zone(pod: dict[str, Any], zone: str) -> dict[str, Any]:
 
 
 def agent_pod(name: str, role: str, image: str, *, engine_id: str | None = None,
-              seed: int = 7, preset: str = "grouped", transfer: str = "kvt",
+              seed: int = PATTERN_SEED, preset: str = "grouped", transfer: str = "kvt",
               service_account: str = AGENT_SA) -> dict[str, Any]:  # fmt: skip
     """A serving pod as a user would write it: the agent image, the pod-bound ServiceAccount
     token, the downward API, non-root on a read-only root filesystem."""
@@ -121,6 +126,39 @@ def agent_call(pod_ip: str, cmd: dict[str, Any], timeout: float = 30.0) -> dict[
     if "error" in reply:
         raise RuntimeError(f"agent at {pod_ip}: {reply['error']}")
     return reply
+
+
+def handshakes_succeeded(pod_ip: str) -> bool:
+    """The agent at ``pod_ip`` reports a handshake, and every one it reports succeeded."""
+    shakes = agent_call(pod_ip, {"cmd": "status"})["handshakes"]
+    return bool(shakes) and all(h["state"] == "Succeeded" for h in shakes)
+
+
+def pull_every_block(decode_ip: str, prefill_ip: str, prefill_engine: str, request_id: str,
+                     timeout_s: float) -> dict[str, Any]:  # fmt: skip
+    """The decode's memory cleared, then every block of the prefill read through the agent and
+    compared byte for byte with the prefill's seeded pattern (``verified`` in the reply)."""
+    agent_call(decode_ip, {"cmd": "clear"})
+    agent_call(prefill_ip, {"cmd": "hold", "request_ids": [request_id]})
+    return agent_call(decode_ip, {
+        "cmd": "pull", "request_id": request_id, "remote_engine_id": prefill_engine,
+        "local_block_ids": ALL_BLOCKS, "remote_block_ids": ALL_BLOCKS,
+        "verify_seed": PATTERN_SEED, "timeout_s": timeout_s})  # fmt: skip
+
+
+def bench_pull(decode_ip: str, prefill_ip: str, prefill_engine: str, reps: int,
+               timeout: float) -> dict[str, Any]:  # fmt: skip
+    """The decode pod's ``bench_pull`` over every block (demo/pod_agent.py): medians of the
+    agent's pull, a raw NIXL READ of the same descriptors and that READ with the notification
+    (``*_gbps``, ``*_ms``); ``ratio`` is the agent's throughput over the raw READ's. The raw
+    READ's bytes are verified too. The prefill holds every request id the reps use."""
+    request_id = f"bench-{decode_ip}"
+    agent_call(prefill_ip, {"cmd": "hold", "request_ids": [
+        f"{request_id}-{rep}{notified}" for rep in range(reps) for notified in ("", "-n")]})
+    return agent_call(decode_ip, {
+        "cmd": "bench_pull", "request_id": request_id, "remote_engine_id": prefill_engine,
+        "local_block_ids": ALL_BLOCKS, "remote_block_ids": ALL_BLOCKS, "reps": reps,
+        "verify_seed": PATTERN_SEED, "timeout_s": 30.0}, timeout=timeout)  # fmt: skip
 
 
 class NodePod:

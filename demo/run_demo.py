@@ -256,8 +256,8 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
         "base (hack/node-images.sh; ~3 minutes the first time, then cached) ...")
     images = kn.node_images(build=True)
     nodes = two_nodes(images, binaries=node_binaries)
+    cleanup.append(lambda: kn.stop_all(nodes))  # also when the cluster never comes up
     for node in nodes:
-        cleanup.append(node.stop)   # also when the cluster never comes up: the link goes
         node.link_up()
     say("starting etcd, kube-apiserver, kube-controller-manager, kube-scheduler ...")
     cluster = kc.LocalCluster(binaries=binaries, address=kn.HOST_IP, real_nodes=True,
@@ -265,13 +265,12 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
     cleanup.append(cluster.stop)
     say("starting two nodes: containerd, kubelet and kube-proxy, each in network and mount "
         "namespaces of their own, one pod network over both ...")
-    for node in nodes:
-        node.start(cluster)
-        cleanup.append(node.stop)   # before the apiserver goes: pods are deleted through it
-    kn.connect(*nodes)
+    cleanup.append(lambda: kn.stop_all(nodes))  # before the apiserver goes: pods go through it
+    kn.start_all(nodes, cluster)
     k = cluster.kubectl
     for node in nodes:
-        say(f"node {node.name} Ready ({', '.join(f'{k}={v}' for k, v in node.labels.items())}"
+        labels = ", ".join(f"{key}={value}" for key, value in node.labels.items())
+        say(f"node {node.name} Ready ({labels}"
             f"{', tainted ' + ' '.join(node.taints) if node.taints else ''}; pods in "
             f"{node.net.pod_cidr}; images {', '.join(node.image_names()[:3])})")
     say(f"control plane up at {cluster.server} (kubelet {kc.KUBE_VERSION})")

@@ -26,15 +26,11 @@ Usage (the links come first: the apiserver binds the first one's host end)::
     second = RealNode(images=[...], index=1).link_up()
     try:
         with LocalCluster(real_nodes=True, address=HOST_IP, service_cidr=SERVICE_CIDR) as c:
-            node.start(c)
-            second.start(c)
-            connect(node, second)
+            start_all([node, second], c)  # and connect() them
             ...  # pods scheduled onto node.name or second.name run as real containers
-            second.stop()
-            node.stop()
+            stop_all([node, second])  # the first last: it holds the apiserver's address
     finally:
-        second.stop()  # idempotent; also removes the link if the cluster never came up
-        node.stop()
+        stop_all([node, second])  # idempotent; also removes the links if no cluster came up
 
 containerd's content store and snapshots are kept in the cache (``RealNode.containerd_root``,
 one per node) so a node starts in seconds when the images did not change; its state (tasks,
@@ -64,6 +60,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -749,7 +746,7 @@ class RealNode:
 
     def _remove_link(self) -> None:
         n = self.net
-        for cidr in (n.pod_cidr, self.service_cidr):
+        for cidr in self._host_routes():
             _sh("ip", "route", "del", cidr, "via", n.node_ip, check=False)
         _sh("ip", "link", "del", n.host_veth, check=False)
         _sh("ip", "netns", "del", n.netns, check=False)
@@ -779,6 +776,22 @@ class RealNode:
             "host_sysctls": [f"{k}: {v} -> {sysctls.get(k)}"
                              for k, v in self._sysctls_before.items() if sysctls.get(k) != v],
         }
+
+
+def start_all(nodes: Sequence[RealNode], cluster: LocalCluster) -> None:
+    """Start every node (links up) against ``cluster`` and :func:`connect` each pair."""
+    for node in nodes:
+        node.start(cluster)
+    for i, first in enumerate(nodes):
+        for second in nodes[i + 1:]:
+            connect(first, second)
+
+
+def stop_all(nodes: Sequence[RealNode]) -> None:
+    """Stop every node, the first one last: its link carries the apiserver's address, which
+    the others need to drain (idempotent, as ``RealNode.stop``)."""
+    for node in sorted(nodes, key=lambda n: n.index, reverse=True):
+        node.stop()
 
 
 def connect(a: RealNode, b: RealNode) -> None:

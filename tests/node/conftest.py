@@ -53,16 +53,12 @@ def node_cluster(images: dict[str, str], tmp_path_factory: pytest.TempPathFactor
                                   service_cidr=kn.SERVICE_CIDR)  # fmt: skip
         with cluster:
             try:
-                for node in nodes:
-                    node.start(cluster)
-                kn.connect(*nodes)
+                kn.start_all(nodes, cluster)
                 yield cluster, nodes
             finally:
-                for node in reversed(nodes):
-                    node.stop()  # before the apiserver goes: pods are deleted through it
+                kn.stop_all(nodes)  # before the apiserver goes: pods are deleted through it
     finally:
-        for node in reversed(nodes):
-            node.stop()
+        kn.stop_all(nodes)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from typing import Any
 
 from chartlib import Kube
 from kvb_e2e import Api, wait_for
-from node_pods import agent_call, ready_pod
+from node_pods import handshakes_succeeded, ready_pod
 
 AGENT_NS = "kvb-agents"
 RELEASE, OPERATOR_NS = "kvbridge", "kvbridge-system"
@@ -43,8 +43,7 @@ def wait_pod_ready(api: Api, ns: str, name: str, timeout: float = 120) -> Any:
 
 def preflighted(api: Api, pod: str, ns: str = AGENT_NS) -> bool:
     """Every handshake the agent in ``pod`` reports has succeeded, and there is one."""
-    shakes = agent_call(pod_ip(api, ns, pod), {"cmd": "status"})["handshakes"]
-    return bool(shakes) and all(h["state"] == "Succeeded" for h in shakes)
+    return handshakes_succeeded(pod_ip(api, ns, pod))
 
 
 def container_pid(node: Any, container_id: str) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from kvb_e2e import Api, wait_for
-from node_pods import agent_call
+from node_pods import agent_call, pull_every_block
 from nodelib import (
     AGENT_NS,
     container_pid,
@@ -30,18 +30,11 @@ from nodelib import (
 pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.nixl, pytest.mark.slow]
 log = logging.getLogger(__name__)
 
-SEED = 7
-ALL_BLOCKS = [list(range(64)), list(range(64))]  # both transfer groups, every block
 
 
 def pull_all(api: Api, names: dict[str, str], request_id: str) -> dict[str, Any]:
     prefill, decode = (pod_ip(api, AGENT_NS, names[r]) for r in ("prefill", "decode"))
-    agent_call(decode, {"cmd": "clear"})
-    agent_call(prefill, {"cmd": "hold", "request_ids": [request_id]})
-    return agent_call(decode, {
-        "cmd": "pull", "request_id": request_id, "remote_engine_id": names["prefill"],
-        "local_block_ids": ALL_BLOCKS, "remote_block_ids": ALL_BLOCKS, "verify_seed": SEED,
-        "timeout_s": 20.0})  # fmt: skip
+    return pull_every_block(decode, prefill, names["prefill"], request_id, timeout_s=20.0)
 
 
 def test_agent_pods_publish_pair_and_transfer_byte_exact(api: Api, node: Any,

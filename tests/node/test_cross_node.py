@@ -16,7 +16,15 @@ from typing import Any
 
 import pytest
 from kvb_e2e import Api, wait_for
-from node_pods import SECOND_NODE_TAINT_KEY, ZONE_KEY, ZONES, agent_call, agent_pod, in_zone
+from node_pods import (
+    SECOND_NODE_TAINT_KEY,
+    ZONE_KEY,
+    ZONES,
+    agent_pod,
+    bench_pull,
+    in_zone,
+    pull_every_block,
+)
 from nodelib import (
     AGENT_NS,
     OPERATOR_NS,
@@ -30,8 +38,6 @@ from nodelib import (
 pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.nixl, pytest.mark.slow]
 log = logging.getLogger(__name__)
 
-SEED = 7
-ALL_BLOCKS = [list(range(64)), list(range(64))]  # both transfer groups, every block: 4 MiB
 PREFILL_A, DECODE_A, DECODE_B, PREFILL_B = "prefill-a", "decode-a", "decode-b", "prefill-b"
 ZONE_OF = {PREFILL_A: ZONES[0], DECODE_A: ZONES[0], DECODE_B: ZONES[1], PREFILL_B: ZONES[1]}
 
@@ -56,15 +62,10 @@ def wait_pairs(api: Api, want: set[tuple[str, str]], what: str, timeout: float =
 
 def pull(api: Api, decode: str, prefill: str, request_id: str) -> dict[str, Any]:
     """Every block of ``prefill`` read by ``decode`` and compared with the seeded pattern."""
-    decode_ip = pod_ip(api, ZONES_NS, decode)
     wait_for(lambda: preflighted(api, decode, ZONES_NS), timeout=90,
              what=f"{decode} preflighted {prefill}")  # fmt: skip
-    agent_call(decode_ip, {"cmd": "clear"})
-    agent_call(pod_ip(api, ZONES_NS, prefill), {"cmd": "hold", "request_ids": [request_id]})
-    return agent_call(decode_ip, {
-        "cmd": "pull", "request_id": request_id, "remote_engine_id": prefill,
-        "local_block_ids": ALL_BLOCKS, "remote_block_ids": ALL_BLOCKS, "verify_seed": SEED,
-        "timeout_s": 30.0})  # fmt: skip
+    return pull_every_block(pod_ip(api, ZONES_NS, decode), pod_ip(api, ZONES_NS, prefill),
+                            prefill, request_id, timeout_s=30.0)  # fmt: skip
 
 
 def handshake(api: Api, decode: str, prefill: str) -> dict[str, Any]:
@@ -126,19 +127,13 @@ def test_a_pull_across_nodes_is_byte_exact_and_costs_what_raw_nixl_costs(
     # The same 256 descriptors through the agent and as a raw NIXL READ, rep by rep, on one
     # node and across nodes (figures in the log; no wall-clock threshold in a test).
     prefill_ip = pod_ip(api, ZONES_NS, PREFILL_A)
+    reps = 9
     for decode, where in ((DECODE_A, "one node"), (DECODE_B, "across nodes")):
-        reps = 9
-        agent_call(prefill_ip, {"cmd": "hold",
-                                "request_ids": [f"bench-{decode}-{r}{n}" for r in range(reps)
-                                                for n in ("", "-n")]})
-        bench = agent_call(pod_ip(api, ZONES_NS, decode), {
-            "cmd": "bench_pull", "request_id": f"bench-{decode}", "remote_engine_id": PREFILL_A,
-            "local_block_ids": ALL_BLOCKS, "remote_block_ids": ALL_BLOCKS, "reps": reps,
-            "verify_seed": SEED, "timeout_s": 30.0}, timeout=120)  # fmt: skip
+        bench = bench_pull(pod_ip(api, ZONES_NS, decode), prefill_ip, PREFILL_A, reps,
+                           timeout=120)  # fmt: skip
         log.warning("pod-to-pod pull %s: agent %.3f GB/s, raw NIXL READ %.3f GB/s (%.3f "
                     "with the notification), agent/raw %.3f", where, bench["agent_gbps"],
-                    bench["raw_gbps"], bench["raw_notified_gbps"],
-                    bench["agent_gbps"] / bench["raw_gbps"])  # fmt: skip
+                    bench["raw_gbps"], bench["raw_notified_gbps"], bench["ratio"])
         assert bench["ok"] and bench["verified"], bench  # the raw READ moved the same bytes
         assert bench["nbytes"] == result["nbytes"] and bench["reps"] == reps
 

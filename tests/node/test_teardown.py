@@ -59,8 +59,7 @@ def test_stopped_nodes_leave_nothing_on_the_host(api: Api, node: Any, second_nod
     (``ip_forward`` among them) are as they were before the first node came up."""
     for pod in api.core.list_namespaced_pod(AGENT_NS).items:  # still running: stop() drains
         assert pod.spec.node_name == node.name
-    for n in (second_node, node):
-        n.stop()
+    kn.stop_all([node, second_node])
     for n in (second_node, node):
         leftovers = n.leftovers()
         assert leftovers == {k: [] for k in leftovers}, (n.name, leftovers)
