@@ -1,4 +1,10 @@
-"""``kvbridge-router``: the P/D router for one KVTransfer (see the package docstring)."""
+"""``kvbridge-router``: the P/D router for one KVTransfer (see the package docstring), and its
+two gateway forms from the same image:
+
+- ``kvbridge-router --transfer NAME``: the OpenAI-compatible router;
+- ``kvbridge-router epp --transfer NAME``: the endpoint picker of an InferencePool (ext_proc);
+- ``kvbridge-router sidecar --transfer NAME``: the P/D sidecar of a decode pod.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +21,11 @@ from aiohttp import web
 
 from . import metrics as m
 from .proxy import Router, RouterSettings
+from .sidecar import PREFILL_HEADERS, WITHOUT_HEADER, Sidecar, SidecarSettings
 from .watch import TransferWatch
 
 SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+MODES = ("router", "epp", "sidecar")
 
 
 def _namespace(given: str | None) -> str:
@@ -30,30 +38,100 @@ def _namespace(given: str | None) -> str:
     raise SystemExit("kvbridge-router: --namespace is required outside a pod")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def _common(p: argparse.ArgumentParser, port: int) -> None:
     defaults = RouterSettings()
-    p = argparse.ArgumentParser(
-        prog="kvbridge-router",
-        description="OpenAI-compatible P/D router: every request takes a prefill/decode pair "
-        "that the kvbridge operator paired and the decode verified with a handshake.")
     p.add_argument("--transfer", required=True, help="the KVTransfer whose engines to route to")
     p.add_argument("--namespace", help="its namespace (default: the pod's)")
     p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
-    p.add_argument("--port", type=int, default=8080, help="listen port (default 8080)")
+    p.add_argument("--port", type=int, default=port, help="listen port (default %(default)s)")
     p.add_argument("--engine-port", type=int, default=defaults.engine_port,
-                   help="the engines' OpenAI port (default %(default)s)")
+                   help="the engines' OpenAI port where their KVEndpoint states none "
+                   "(default %(default)s)")
+    p.add_argument("--kubeconfig", help="default: $KUBECONFIG, else the pod's token")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _lease(p: argparse.ArgumentParser) -> None:
+    defaults = RouterSettings()
     p.add_argument("--lease-seconds", type=float, default=defaults.lease_s,
                    help="the prefills' kv_lease_duration (default %(default)s, vLLM's)")
     p.add_argument("--lease-margin-seconds", type=float, default=defaults.lease_margin_s,
                    help="forward a prefill answer only while it is younger than the lease "
                    "minus this (default %(default)s)")
-    p.add_argument("--kubeconfig", help="default: $KUBECONFIG, else the pod's token")
-    p.add_argument("--log-level", default="INFO")
+
+
+def _prefill_headers(p: argparse.ArgumentParser, verb: str) -> None:
+    p.add_argument("--prefill-header", action="append", dest="prefill_headers",
+                   help=f"the request header(s) that {verb} the prefill's host:port; repeat "
+                   f"for several (default: {', '.join(PREFILL_HEADERS)})")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    mode = argv.pop(0) if argv and argv[0] in MODES[1:] else "router"
+    if mode == "epp":
+        p = argparse.ArgumentParser(
+            prog="kvbridge-router epp",
+            description="Endpoint picker of an InferencePool (Envoy ext_proc, the Gateway API "
+            "Inference Extension's protocol): names a decode of a verified pair as the "
+            "destination and its prefill in a header for the decode's sidecar.")
+        _common(p, 9002)
+        p.add_argument("--metrics-port", type=int, default=9090,
+                       help="HTTP port of /metrics and /health (default %(default)s)")
+        p.add_argument("--target-port", type=int, default=8000,
+                       help="the InferencePool's target port on decode pods, where their "
+                       "sidecar listens (default %(default)s)")
+        _prefill_headers(p, "name")
+    elif mode == "sidecar":
+        p = argparse.ArgumentParser(
+            prog="kvbridge-router sidecar",
+            description="P/D sidecar of a decode pod: calls the verified prefill the endpoint "
+            "picker named, then this pod's vLLM.")
+        _common(p, 8000)
+        _lease(p)
+        p.add_argument("--pod-name", default=os.environ.get("POD_NAME"),
+                       help="this decode's pod (default: $POD_NAME)")
+        p.add_argument("--decode-url", default="http://127.0.0.1:8200",
+                       help="this pod's vLLM OpenAI server (default %(default)s)")
+        p.add_argument("--without-prefill-header", choices=WITHOUT_HEADER, default="refuse",
+                       help="a request that names no prefill: refuse it (400, the default) or "
+                       "serve it from this pod's engine alone (local)")
+        _prefill_headers(p, "read for")
+    else:
+        p = argparse.ArgumentParser(
+            prog="kvbridge-router",
+            description="OpenAI-compatible P/D router: every request takes a prefill/decode "
+            "pair that the kvbridge operator paired and the decode verified with a handshake. "
+            "Also: 'kvbridge-router epp --help' (the InferencePool endpoint picker) and "
+            "'kvbridge-router sidecar --help' (the decode pod's P/D sidecar).")
+        _common(p, 8080)
+        _lease(p)
     args = p.parse_args(argv)
-    if args.lease_margin_seconds >= args.lease_seconds:
+    args.mode = mode
+    if mode != "epp" and args.lease_margin_seconds >= args.lease_seconds:
         p.error(f"--lease-margin-seconds: expected less than --lease-seconds "
                 f"({args.lease_seconds:g}), got {args.lease_margin_seconds:g}")
+    if mode == "sidecar" and not args.pod_name:
+        p.error("--pod-name: required (or $POD_NAME, from the downward API)")
+    if mode != "router":
+        args.prefill_headers = tuple(args.prefill_headers or PREFILL_HEADERS)
     return args
+
+
+async def _until_signalled() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def _serve_http(app: web.Application, host: str, port: int) -> web.AppRunner:
+    # A client that goes away cancels its handler: the decode connection closes with it.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -63,21 +141,47 @@ async def serve(args: argparse.Namespace) -> None:
     m.INFO.labels(namespace, args.transfer).set(1)
     m.init_series()
     watch = TransferWatch(api_client(args.kubeconfig), namespace, args.transfer).start()
-    settings = RouterSettings(engine_port=args.engine_port, lease_s=args.lease_seconds,
-                              lease_margin_s=args.lease_margin_seconds)
-    router = Router(lambda: watch.table, settings)
-    # A client that goes away cancels its handler: the decode connection closes with it.
-    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
-    logging.getLogger("kvbridge.router").info(
-        "routing KVTransfer %s/%s on %s:%d", namespace, args.transfer, args.host, args.port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    log = logging.getLogger("kvbridge.router")
+    if args.mode == "epp":
+        await _serve_picker(args, watch)
+    else:
+        settings = RouterSettings(engine_port=args.engine_port, lease_s=args.lease_seconds,
+                                  lease_margin_s=args.lease_margin_seconds)
+        if args.mode == "sidecar":
+            router: Router = Sidecar(lambda: watch.table, settings, SidecarSettings(
+                args.pod_name, args.decode_url.rstrip("/"), args.prefill_headers,
+                args.without_prefill_header))
+        else:
+            router = Router(lambda: watch.table, settings)
+        runner = await _serve_http(router.app(), args.host, args.port)
+        log.info("%s for KVTransfer %s/%s on %s:%d", args.mode, namespace, args.transfer,
+                 args.host, args.port)
+        await _until_signalled()
+        await runner.cleanup()
     watch.stop()
+
+
+async def _serve_picker(args: argparse.Namespace, watch: TransferWatch) -> None:
+    from .extproc import EndpointPicker, serve_grpc
+    from .picker import PickerSettings
+
+    picker = EndpointPicker(lambda: watch.table, PickerSettings(
+        target_port=args.target_port, engine_port=args.engine_port,
+        prefill_headers=args.prefill_headers))
+    # /metrics and /health over HTTP, as the router serves them.
+    status = Router(lambda: watch.table, RouterSettings(engine_port=args.engine_port))
+    runner = await _serve_http(status.status_app(), args.host, args.metrics_port)
+    stop = asyncio.Event()
+    grpc_task = asyncio.create_task(serve_grpc(
+        picker, f"{args.host}:{args.port}", lambda: watch.synced, stop))
+    logging.getLogger("kvbridge.picker").info(
+        "endpoint picker for KVTransfer %s/%s: ext_proc on %s:%d, metrics on :%d, decodes' "
+        "target port %d", watch.namespace, args.transfer, args.host, args.port,
+        args.metrics_port, args.target_port)
+    signalled = asyncio.create_task(_until_signalled())
+    await asyncio.wait({grpc_task, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    stop.set()
+    await grpc_task
     await runner.cleanup()
 
 

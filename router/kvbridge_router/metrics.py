@@ -53,3 +53,16 @@ def init_series() -> None:
         REQUESTS.labels(outcome, "", "")
     for stage in ("prefill", "decode", "lease"):
         RETRIES.labels(stage)
+
+# The endpoint picker (kvbridge-router epp): its own process, the same registry.
+PICKS = Counter(
+    "kvbridge_picker_requests", "Requests the inference gateway asked the endpoint picker "
+    "about, by outcome (picked: a verified pair named; no_pair: 503, nothing verified or "
+    "eligible) and by the pair named", ["outcome", "prefill", "decode"], registry=REGISTRY)
+PICK_SECONDS = Histogram(
+    "kvbridge_picker_decision_seconds", "From the request headers' arrival to the pick",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1),
+    registry=REGISTRY)
+PICKER_STREAMS = Gauge(
+    "kvbridge_picker_streams", "ext_proc streams (requests) the gateway has open now",
+    registry=REGISTRY)

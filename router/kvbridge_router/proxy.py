@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,15 @@ class RouterSettings:
     decode_connect_timeout_s: float = 30.0
 
 
+class Refusal(Exception):
+    """The request cannot be served as asked (the sidecar's prefill header names no verified
+    peer, say): answered with ``status`` and the message, never retried."""
+
+    def __init__(self, status: int, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
 class UpstreamError(Exception):
     """A prefill or decode failed before the client saw a byte; retried on another pair."""
 
@@ -73,7 +82,7 @@ class UpstreamError(Exception):
         self.stage = stage
 
 
-def _error(status: int, message: str, kind: str) -> web.Response:
+def error_response(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}},
                              status=status)  # fmt: skip
 
@@ -81,7 +90,10 @@ def _error(status: int, message: str, kind: str) -> web.Response:
 class Router:
     """Request handling; ``app()`` wires it to routes."""
 
-    def __init__(self, table: Callable[[], RoutingTable], settings: RouterSettings) -> None:
+    #: where the latest routing table comes from (the KVTransfer watch)
+    TableSource = Callable[[], RoutingTable]
+
+    def __init__(self, table: TableSource, settings: RouterSettings) -> None:
         self.table = table
         self.settings = settings
         self.balancer = Balancer()
@@ -97,6 +109,13 @@ class Router:
         app.router.add_get("/metrics", self.metrics)
         app.on_startup.append(self._open)
         app.on_cleanup.append(self._close)
+        return app
+
+    def status_app(self) -> web.Application:
+        """Only ``/health`` and ``/metrics``: what the endpoint picker serves over HTTP."""
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
         return app
 
     async def _open(self, _app: web.Application) -> None:
@@ -129,7 +148,7 @@ class Router:
         table = self.table()
         decodes = table.decodes()
         if not decodes:
-            return _error(503, f"no verified prefill/decode pair: {table.reason}",
+            return error_response(503, f"no verified prefill/decode pair: {table.reason}",
                           "no_verified_pair")
         assert self.session is not None
         try:
@@ -138,22 +157,31 @@ class Router:
                 return web.Response(status=resp.status, body=await resp.read(),
                                     content_type="application/json")
         except (aiohttp.ClientError, TimeoutError) as exc:
-            return _error(502, f"decode {decodes[0].engine_id}: {exc}", "upstream_error")
+            return error_response(502, f"decode {decodes[0].engine_id}: {exc}", "upstream_error")
 
     # -- completions -------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
-        try:
-            body = check_request(request.path, _decode_json(await request.read()))
-        except msgspec.DecodeError:
-            return self._count(_error(400, "request body: expected JSON", "invalid_request_error"),
-                               "rejected")
-        except RequestError as exc:
-            return self._count(_error(400, str(exc), "invalid_request_error"), "rejected")
+        body = await self._read_body(request)
+        if isinstance(body, web.StreamResponse):
+            return body
         try:
             return await self._serve(request, body, started)
         finally:
             m.TOTAL_SECONDS.observe(time.monotonic() - started)
+
+    async def _read_body(self, request: web.Request) -> dict[str, Any] | web.StreamResponse:
+        """The client's request body, checked; an error answer (counted) when it is bad."""
+        try:
+            return check_request(request.path, _decode_json(await request.read()))
+        except msgspec.DecodeError:
+            return self._count(error_response(400, "request body: expected JSON",
+                                              "invalid_request_error"), "rejected")
+        except RequestError as exc:
+            return self._count(error_response(400, str(exc), "invalid_request_error"), "rejected")
+
+    def _refuse(self, exc: Refusal) -> web.StreamResponse:
+        return self._count(error_response(exc.status, str(exc), exc.kind), "rejected")
 
     def _count(self, response: web.StreamResponse, outcome: str, pair: Pair | None = None
                ) -> web.StreamResponse:  # fmt: skip
@@ -168,13 +196,17 @@ class Router:
         attempts = reprefills = 0
         while True:
             table = self.table()
-            pair = self.balancer.pick(table, avoid)
+            try:
+                pair = self.choose(request, table, avoid)
+            except Refusal as exc:
+                return self._refuse(exc)
             if pair is None:
                 if not failures:
-                    return self._count(_error(
+                    return self._count(error_response(
                         503, f"no verified prefill/decode pair: {table.reason}",
                         "no_verified_pair"), "no_pair")
-                return self._count(_error(502, "; ".join(failures), "upstream_error"), "failed")
+                return self._count(error_response(502, "; ".join(failures), "upstream_error"),
+                                   "failed")
             attempts += 1
             try:
                 return await self._attempt(request, body, pair, started)
@@ -188,9 +220,15 @@ class Router:
                     continue
                 avoid.add((pair.decode.engine_id, pair.prefill.engine_id))
                 if attempts >= ATTEMPTS:
-                    return self._count(_error(502, "; ".join(failures), "upstream_error"),
+                    return self._count(error_response(502, "; ".join(failures), "upstream_error"),
                                        "failed", pair)  # fmt: skip
                 m.RETRIES.labels(exc.stage).inc()
+
+    def choose(self, request: web.Request, table: RoutingTable,
+               avoid: Collection[tuple[str, str]]) -> Pair | None:
+        """The pair for the next attempt (balance.py); None when no pair is left. Fronts
+        that take the pair from the request (the sidecar) override this."""
+        return self.balancer.pick(table, avoid)
 
     async def _attempt(self, request: web.Request, body: dict[str, Any], pair: Pair,
                        started: float) -> web.StreamResponse:  # fmt: skip

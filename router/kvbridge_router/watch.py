@@ -47,6 +47,11 @@ class TransferWatch:
             self._threads.append(t)
         return self
 
+    @property
+    def synced(self) -> bool:
+        """True once both resources were listed (the table reflects the API server)."""
+        return len(self._listed) == 2
+
     def stop(self) -> None:
         self._stop.set()
 

@@ -1,0 +1,179 @@
+"""The endpoint picker as Envoy's ext_proc gRPC service: one stream per request, as an
+inference gateway's Envoy opens it for an InferencePool.
+
+Processing mode (what the inference extension configures): request headers SEND, request
+body and response body FULL_DUPLEX_STREAMED, response headers SEND, trailers SEND. The pick
+needs only the request headers (and their metadata: the subset hint), so it is answered at
+once and the body is never buffered: every body chunk goes straight back to Envoy, in
+order, with its end-of-stream flag, which keeps the picker off the time to first token and
+streams SSE answers chunk by chunk. The response headers get ``x-kvbridge-pair`` (the pair
+that served). The engines the stream named count as busy (for the least-load choice) until
+the response ends or the stream closes.
+
+gRPC health: ``liveness`` always SERVING; ``readiness`` and the ext_proc service SERVING once
+the KVTransfer and its KVEndpoints are listed (a pool with no verified pair is still ready:
+its requests get a 503 that says why).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from . import metrics as m
+from .balance import Balancer, Pair
+from .picker import (
+    LB_NAMESPACE,
+    PAIR_HEADER,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+    NoPick,
+    PickerSettings,
+    pick,
+)
+from .table import RoutingTable
+
+log = logging.getLogger("kvbridge.picker")
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def _set_headers(headers: tuple[tuple[str, str], ...] | list[tuple[str, str]]
+                 ) -> ep.HeaderMutation:  # fmt: skip
+    return ep.HeaderMutation(set_headers=[
+        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()),
+                                   append_action=OVERWRITE) for k, v in headers])
+
+
+def _echo(body: ep.HttpBody) -> ep.BodyResponse:
+    """A body chunk handed back unchanged (full-duplex streaming returns every chunk)."""
+    return ep.BodyResponse(response=ep.CommonResponse(body_mutation=ep.BodyMutation(
+        streamed_response=ep.StreamedBodyResponse(body=body.body,
+                                                  end_of_stream=body.end_of_stream))))
+
+
+def subset_hint(request: ep.ProcessingRequest) -> list[str] | None:
+    """The gateway's endpoint subset (``ip:port`` strings), None when it sent none."""
+    meta = request.metadata_context.filter_metadata
+    if SUBSET_NAMESPACE not in meta:
+        return None
+    field = meta[SUBSET_NAMESPACE].fields.get(SUBSET_KEY)
+    if field is None:
+        return None
+    if field.HasField("list_value"):
+        return [v.string_value for v in field.list_value.values]
+    return [s for s in field.string_value.split(",") if s]
+
+
+def _unavailable(status: int, message: str) -> ep.ProcessingResponse:
+    body = json.dumps({"error": {"message": message, "type": "no_verified_pair",
+                                 "code": status}}).encode()  # fmt: skip
+    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status), body=body,
+        headers=_set_headers([("content-type", "application/json")]),
+        details="kvbridge_no_verified_pair"))
+
+
+class EndpointPicker(ep_grpc.ExternalProcessorServicer):
+    """ext_proc ``Process``: pick on the request headers, pass bodies through."""
+
+    def __init__(self, table: Callable[[], RoutingTable], settings: PickerSettings) -> None:
+        self.table = table
+        self.settings = settings
+        self.balancer = Balancer()
+
+    async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[ep.ProcessingResponse]:
+        busy: Pair | None = None
+        m.PICKER_STREAMS.inc()
+        try:
+            async for request in request_iterator:
+                kind = request.WhichOneof("request")
+                if kind == "request_headers":
+                    response, busy = self._on_headers(request)
+                    yield response
+                    if busy is None:
+                        return
+                elif kind == "request_body":
+                    yield ep.ProcessingResponse(request_body=_echo(request.request_body))
+                elif kind == "response_headers":
+                    pair = [(PAIR_HEADER, busy.label)] if busy is not None else []
+                    yield ep.ProcessingResponse(response_headers=ep.HeadersResponse(
+                        response=ep.CommonResponse(header_mutation=_set_headers(pair))))
+                elif kind == "response_body":
+                    yield ep.ProcessingResponse(response_body=_echo(request.response_body))
+                    if request.response_body.end_of_stream and busy is not None:
+                        self._release(busy)
+                        busy = None
+                elif kind == "request_trailers":
+                    yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+                elif kind == "response_trailers":
+                    yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+        finally:
+            m.PICKER_STREAMS.dec()
+            if busy is not None:
+                self._release(busy)
+
+    def _on_headers(self, request: ep.ProcessingRequest
+                    ) -> tuple[ep.ProcessingResponse, Pair | None]:  # fmt: skip
+        began = time.perf_counter()
+        decision = pick(self.table(), self.balancer, self.settings, subset_hint(request))
+        m.PICK_SECONDS.observe(time.perf_counter() - began)
+        if isinstance(decision, NoPick):
+            m.PICKS.labels("no_pair", "", "").inc()
+            log.info("no pair for a request: %s", decision.message)
+            return _unavailable(decision.status, decision.message), None
+        pair = decision.pair
+        self.balancer.start(pair.decode)
+        self.balancer.start(pair.prefill)
+        m.PICKS.labels("picked", pair.prefill.engine_id, pair.decode.engine_id).inc()
+        metadata = struct_pb2.Struct()
+        metadata.update({LB_NAMESPACE: {"x-gateway-destination-endpoint": decision.destination}})
+        return ep.ProcessingResponse(
+            request_headers=ep.HeadersResponse(response=ep.CommonResponse(
+                header_mutation=_set_headers(decision.headers), clear_route_cache=True)),
+            dynamic_metadata=metadata), pair
+
+    def _release(self, pair: Pair) -> None:
+        self.balancer.done(pair.decode)
+        self.balancer.done(pair.prefill)
+
+
+async def serve_grpc(picker: EndpointPicker, address: str, synced: Callable[[], bool],
+                     stop: asyncio.Event) -> None:  # fmt: skip
+    """Serve ext_proc and gRPC health on ``address`` until ``stop`` is set."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
+    checks = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    server.add_insecure_port(address)
+    await server.start()
+    await checks.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+    ready: bool | None = None
+    try:
+        while not stop.is_set():
+            now = synced()
+            if now != ready:
+                status = (health_pb2.HealthCheckResponse.SERVING if now
+                          else health_pb2.HealthCheckResponse.NOT_SERVING)  # fmt: skip
+                for service in ("readiness", EXT_PROC_SERVICE, ""):
+                    await checks.set(service, status)
+                ready = now
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+    finally:
+        await server.stop(grace=5)
+
