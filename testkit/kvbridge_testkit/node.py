@@ -176,10 +176,11 @@ def node_images(build: bool = False) -> dict[str, str]:
 
 
 def image_archives(images: dict[str, str]) -> list[Path]:
-    """The archives a node imports: the sandbox image first, then the operator, the agent
-    and the vLLM serving image."""
+    """The archives a node imports: the sandbox image first, then the operator, the agent,
+    the vLLM serving image and the demo gateway's Envoy."""
     return [Path(images[k]) for k in ("KVB_IMAGE_PAUSE_TAR", "KVB_IMAGE_OPERATOR_TAR",
-                                      "KVB_IMAGE_AGENT_TAR", "KVB_IMAGE_VLLM_TAR")]  # fmt: skip
+                                      "KVB_IMAGE_AGENT_TAR", "KVB_IMAGE_VLLM_TAR",
+                                      "KVB_IMAGE_ENVOY_TAR")]  # fmt: skip
 
 
 class NodeError(RuntimeError):

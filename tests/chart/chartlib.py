@@ -37,8 +37,10 @@ K8S_120_KINDS = {
     ("networking.k8s.io/v1", "NetworkPolicy"),
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"),
 }
-# Kinds from CRDs: ours (crds/) and the optional integrations.
+# Kinds from CRDs: ours (crds/), the InferencePool (templates/inferencepool-crd.yaml, or the
+# gateway's own) and the optional integrations.
 CRD_KINDS = {
+    ("inference.networking.k8s.io/v1", "InferencePool"),
     ("kopf.dev/v1", "ClusterKopfPeering"),
     ("kopf.dev/v1", "KopfPeering"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),

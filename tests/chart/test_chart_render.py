@@ -4,6 +4,7 @@ schema validation of every object, the values schema, the CRD copy, RBAC and sec
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import re
 import subprocess
@@ -39,12 +40,21 @@ pytestmark = needs_helm
 # separately against K8S_120_KINDS).
 VALIDATE_AS = "1.25.0"
 VALUES = values_files()
+INFERENCE_API = "inference.networking.k8s.io/v1"
+# Values files of setups that need more than the chart's floor: the Kubernetes version and the
+# extra APIs their pretend cluster serves (the gateway's gRPC probes need 1.24).
+CLUSTERS = {"gateway": ("1.29.0", ("kopf.dev/v1", INFERENCE_API))}
 
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[dict[str, Any]]]:
-    """Every values file rendered once, as Kubernetes 1.20 would be told."""
-    return {name: render(name, kube_version="1.20.2") for name in VALUES}
+    """Every values file rendered once, as Kubernetes 1.20 would be told (or the cluster
+    CLUSTERS names)."""
+    out = {}
+    for name in VALUES:
+        kube, apis = CLUSTERS.get(name, ("1.20.2", ("kopf.dev/v1",)))
+        out[name] = render(name, kube_version=kube, api_versions=apis)
+    return out
 
 
 def test_values_files_cover_the_required_setups() -> None:
@@ -88,17 +98,21 @@ def _validate_k8s(obj: dict[str, Any]) -> None:
         raise AssertionError(f"{where}: {path}: {e.message}") from None
 
 
+@functools.cache
 def _crd_schemas() -> dict[tuple[str, str], dict[str, Any]]:
+    """openAPIV3Schema per (apiVersion, kind): of crds/ and of the CRDs the templates install
+    (the InferencePool's)."""
+    crds = [c for path in sorted((CHART / "crds").glob("*.yaml"))
+            for c in yaml.safe_load_all(path.read_text()) if c]  # fmt: skip
+    crds += by_kind(render(sets=["gateway.installInferencePoolCRD=true"]),
+                    "CustomResourceDefinition")  # fmt: skip
     out = {}
-    for path in sorted((CHART / "crds").glob("*.yaml")):
-        for crd in yaml.safe_load_all(path.read_text()):
-            if not crd:
-                continue
-            spec = crd["spec"]
-            for v in spec["versions"]:
-                out[(f"{spec['group']}/{v['name']}", spec["names"]["kind"])] = v["schema"][
-                    "openAPIV3Schema"
-                ]
+    for crd in crds:
+        spec = crd["spec"]
+        for v in spec["versions"]:
+            out[(f"{spec['group']}/{v['name']}", spec["names"]["kind"])] = v["schema"][
+                "openAPIV3Schema"
+            ]
     return out
 
 
@@ -133,6 +147,7 @@ def test_every_object_validates_strictly(name: str, rendered: dict) -> None:
             "ClusterRole",
             "ClusterRoleBinding",
             "ClusterKopfPeering",
+            "CustomResourceDefinition",
             "ValidatingWebhookConfiguration",
         }:
             assert obj["metadata"].get("namespace"), f"{key} {obj['metadata']['name']}: namespace"
@@ -199,6 +214,7 @@ def test_schema_rejects_bad_values(sets: list[str], fragment: str) -> None:
 K8S_STRUCTS = {
     "operator.resources",
     "router.resources",
+    "gateway.resources",
     "operator.livenessProbe",
     "operator.readinessProbe",
     "networkPolicy.podSelector",
@@ -404,6 +420,10 @@ def test_containers_are_locked_down(name: str, rendered: dict) -> None:
         assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
         if c["name"] == "router":
             assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+            continue
+        if c["name"] == "epp":
+            assert c["readinessProbe"]["grpc"]["service"] == "readiness"
+            assert c["livenessProbe"]["grpc"]["service"] == "liveness"
             continue
         assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
         assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
@@ -693,7 +713,11 @@ def test_serving_examples_load_the_connector_with_one_flag(role: str) -> None:
     for key, val in values["networkPolicy"]["podSelector"]["matchLabels"].items():
         assert labels[key] == val
     assert kvt["spec"][role]["selector"]["matchLabels"].items() <= labels.items()
-    (container,) = pod["spec"]["containers"]
+    # vLLM first: demo/vllm_pods.incompatible_decode edits containers[0]. Decodes add the
+    # gateway's P/D sidecar (test_gateway_example_fits_the_serving_pods).
+    names = [c["name"] for c in pod["spec"]["containers"]]
+    assert names == {"prefill": ["vllm"], "decode": ["vllm", "sidecar"]}[role]
+    container = pod["spec"]["containers"][0]
     cmd = container["command"]
     assert cmd[:2] == ["vllm", "serve"]
     config = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
@@ -773,3 +797,329 @@ def test_router(rendered: dict) -> None:
 def test_router_needs_its_transfer() -> None:
     with pytest.raises(HelmError, match="/router/transfer"):
         helm("template", "x", str(CHART), "--set", "router.enabled=true")
+
+
+# --- inference gateway ----------------------------------------------------------------------
+
+GATEWAY_SETS = ["gateway.enabled=true", "gateway.transfer=llama-70b",
+                "gateway.inferencePool.matchLabels.role=decode"]
+WITH_POOL_API = ("kopf.dev/v1", INFERENCE_API)
+READ_ONLY = expand_rules([{"apiGroups": ["kvbridge.io"],
+                           "resources": ["kvtransfers", "kvendpoints"],
+                           "verbs": ["get", "list", "watch"]}])
+GATEWAY_COMPONENTS = {"endpoint-picker", "sidecar"}
+
+
+def _picker(objs: list[dict[str, Any]], name: str = "kvbridge-epp") -> dict[str, Any]:
+    (container,) = one(objs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _cli(command: list[str]) -> dict[str, Any]:
+    """A kvbridge-router command line as the real parser reads it."""
+    from kvbridge_router.__main__ import parse_args
+
+    assert command[0] == "kvbridge-router"
+    return vars(parse_args(command[1:]))
+
+
+def _structural(schema: dict[str, Any], where: str = "") -> None:
+    """Every node of a CRD schema states its type (Kubernetes refuses non-structural ones)."""
+    assert schema.get("type") or schema.get("x-kubernetes-preserve-unknown-fields"), where
+    for key, sub in schema.get("properties", {}).items():
+        _structural(sub, f"{where}.{key}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            _structural(schema[key], f"{where}[{key}]")
+
+
+def test_gateway_is_off_by_default() -> None:
+    """Nothing of the gateway renders without gateway.enabled, even where the cluster serves
+    the InferencePool API."""
+    objs = render(api_versions=WITH_POOL_API)
+    assert not [o for o in objs
+                if o["metadata"]["labels"].get("app.kubernetes.io/component") in GATEWAY_COMPONENTS]
+    assert not by_kind(objs, "InferencePool") and not by_kind(objs, "CustomResourceDefinition")
+
+
+def test_gateway(rendered: dict) -> None:
+    """gateway.enabled: `kvbridge-router epp` for one KVTransfer with gRPC probes, behind a
+    Service whose gRPC port is h2c, reading only KVTransfers and KVEndpoints; an InferencePool
+    of the decode pods at their sidecar's port naming that Service and failing closed; the
+    same reads for the agent ServiceAccount the decode pods' sidecar runs as."""
+    objs = rendered["gateway"]
+    dep = one(objs, "Deployment", "kvbridge-epp")
+    assert dep["metadata"]["namespace"] == "serving"
+    spec = dep["spec"]["template"]["spec"]
+    container = _picker(objs)
+    assert container["command"] == [
+        "kvbridge-router", "epp", "--transfer=llama-70b", "--namespace=serving", "--port=9002",
+        "--metrics-port=9090", "--target-port=8000", "--engine-port=8000"]
+    args = _cli(container["command"])
+    assert (args["mode"], args["transfer"], args["namespace"], args["port"],
+            args["metrics_port"], args["target_port"], args["engine_port"]) == (
+        "epp", "llama-70b", "serving", 9002, 9090, 8000, 8000)  # fmt: skip
+    assert args["prefill_headers"] == ("x-prefiller-host-port", "x-prefill-host-port")
+    assert container["image"] == _command_image(objs)
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
+        "grpc": 9002, "metrics": 9090}
+    assert container["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
+    assert container["livenessProbe"]["grpc"] == {"port": 9002, "service": "liveness"}
+    assert spec["serviceAccountName"] == "kvbridge-epp"
+
+    role = one(objs, "Role", "kvbridge-epp")
+    assert role["metadata"]["namespace"] == "serving"
+    assert expand_rules(role["rules"]) == READ_ONLY
+    binding = one(objs, "RoleBinding", "kvbridge-epp")
+    assert binding["roleRef"]["name"] == "kvbridge-epp"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvbridge-epp",
+                                    "namespace": "serving"}]  # fmt: skip
+
+    service = one(objs, "Service", "kvbridge-epp")
+    assert service["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["ports"] == [
+        {"name": "grpc", "port": 9002, "targetPort": "grpc", "protocol": "TCP",
+         "appProtocol": "kubernetes.io/h2c"},
+        {"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}]
+
+    pool = one(objs, "InferencePool", "llama-70b")
+    assert pool["metadata"]["namespace"] == "serving"
+    assert pool["spec"] == {
+        "selector": {"matchLabels": {"app.kubernetes.io/name": "llama-70b",
+                                     "kvbridge.io/role": "decode"}},
+        "targetPorts": [{"number": 8000}],
+        "endpointPickerRef": {"group": "", "kind": "Service", "name": "kvbridge-epp",
+                              "port": {"number": 9002}, "failureMode": "FailClose"}}
+
+    monitor = one(objs, "PodMonitor", "kvbridge-epp")
+    assert monitor["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+
+    agent_sa = one(objs, "ServiceAccount", "kvbridge-agent")
+    assert agent_sa["metadata"]["namespace"] == "serving"
+    sidecar = one(objs, "Role", "kvbridge-sidecar")
+    assert sidecar["metadata"]["namespace"] == "serving"
+    assert expand_rules(sidecar["rules"]) == READ_ONLY
+    binding = one(objs, "RoleBinding", "kvbridge-sidecar")
+    assert binding["roleRef"]["name"] == "kvbridge-sidecar"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvbridge-agent",
+                                    "namespace": "serving"}]  # fmt: skip
+
+
+def _command_image(objs: list[dict[str, Any]]) -> str:
+    """The operator's image, which the picker runs too."""
+    return one(objs, "Deployment", "kvbridge")["spec"]["template"]["spec"]["containers"][0][
+        "image"]
+
+
+def test_gateway_values_reach_the_picker_and_the_pool() -> None:
+    """Every gateway value lands where it is used, and the pool, the picker and its Service
+    agree on the ports."""
+    objs = render(sets=[*GATEWAY_SETS, "gateway.port=9100", "gateway.metricsPort=9191",
+                        "gateway.enginePort=8001", "gateway.inferencePool.targetPort=8080",
+                        "gateway.inferencePool.name=pool-a", "gateway.replicas=2",
+                        "gateway.inferencePool.failureMode=FailOpen",
+                        "gateway.prefillHeaders={x-prefill-host-port}",
+                        "agent.existingServiceAccounts={vllm}"],
+                  api_versions=WITH_POOL_API)  # fmt: skip
+    container = _picker(objs)
+    args = _cli(container["command"])
+    assert (args["namespace"], args["port"], args["metrics_port"], args["engine_port"],
+            args["target_port"], args["prefill_headers"]) == (
+        NAMESPACE, 9100, 9191, 8001, 8080, ("x-prefill-host-port",))  # fmt: skip
+    assert container["readinessProbe"]["grpc"]["port"] == 9100
+    assert one(objs, "Deployment", "kvbridge-epp")["spec"]["replicas"] == 2
+    pool = one(objs, "InferencePool", "pool-a")
+    assert pool["spec"]["targetPorts"] == [{"number": args["target_port"]}]
+    ref = pool["spec"]["endpointPickerRef"]
+    assert ref["failureMode"] == "FailOpen"
+    service = one(objs, "Service", ref["name"])
+    (grpc,) = [p for p in service["spec"]["ports"] if p["port"] == ref["port"]["number"]]
+    assert grpc["targetPort"] == "grpc"
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"] == args["port"]
+    subjects = one(objs, "RoleBinding", "kvbridge-sidecar")["subjects"]
+    assert [s["name"] for s in subjects] == ["kvbridge-agent", "vllm"]
+    # Without the sidecar Role the decode pods' ServiceAccount keeps the agent's rules only.
+    objs = render(sets=[*GATEWAY_SETS, "gateway.sidecarRbac.create=false"])
+    assert not [r for r in by_kind(objs, "Role") if r["metadata"]["name"] == "kvbridge-sidecar"]
+
+
+def test_inference_pool_waits_for_its_api() -> None:
+    """Where the cluster does not serve inference.networking.k8s.io/v1 (yet), the picker
+    renders and the pool does not, so that the install (which may be creating the CRD) applies."""
+    objs = render(sets=GATEWAY_SETS)
+    assert _picker(objs) and not by_kind(objs, "InferencePool")
+    objs = render(sets=[*GATEWAY_SETS, "gateway.installInferencePoolCRD=true"])
+    assert by_kind(objs, "CustomResourceDefinition") and not by_kind(objs, "InferencePool")
+
+
+def test_inference_pool_crd() -> None:
+    """gateway.installInferencePoolCRD alone installs the CRD, kept on uninstall; it is a valid,
+    structural v1 CRD whose schema takes the chart's and the example's pools and refuses what
+    the API refuses."""
+    assert not by_kind(render(sets=GATEWAY_SETS, api_versions=WITH_POOL_API),
+                       "CustomResourceDefinition")  # fmt: skip
+    crd = one(render(sets=["gateway.installInferencePoolCRD=true"]), "CustomResourceDefinition")
+    _validate_k8s(crd)
+    assert crd["metadata"]["name"] == "inferencepools.inference.networking.k8s.io"
+    assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert "api-approved.kubernetes.io" in crd["metadata"]["annotations"]  # a *.k8s.io group
+    spec = crd["spec"]
+    assert (spec["group"], spec["scope"], spec["names"]["kind"], spec["names"]["plural"]) == (
+        "inference.networking.k8s.io", "Namespaced", "InferencePool", "inferencepools")
+    (version,) = spec["versions"]
+    assert (version["name"], version["served"], version["storage"]) == ("v1", True, True)
+    assert version["subresources"] == {"status": {}}
+    schema = version["schema"]["openAPIV3Schema"]
+    _structural(schema)
+    assert schema["properties"]["spec"]["required"] == ["selector", "targetPorts"]
+
+    pool = one(render(sets=GATEWAY_SETS, api_versions=WITH_POOL_API), "InferencePool")
+    jsonschema.validate(pool, schema)
+    (example,) = yaml.safe_load_all((REPO / "examples" / "serving" / "inferencepool.yaml")
+                                    .read_text())  # fmt: skip
+    jsonschema.validate(one(example["items"], "InferencePool"), schema)
+
+    def broken(**spec: Any) -> dict[str, Any]:
+        return {**pool, "spec": {**pool["spec"], **spec}}
+
+    ref = pool["spec"]["endpointPickerRef"]
+    for bad in (broken(targetPorts=[]), broken(targetPorts=[{"number": 0}]),
+                broken(targetPorts=[{"number": 8000 + i} for i in range(9)]),
+                broken(selector={"matchLabels": {}}), broken(selector={}),
+                broken(endpointPickerRef={**ref, "failureMode": "Open"}),
+                broken(endpointPickerRef={"port": {"number": 9002}}),
+                broken(appProtocol="grpc"),
+                {**pool, "spec": {"targetPorts": [{"number": 8000}]}}):  # fmt: skip
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
+@pytest.mark.parametrize(("sets", "kube_version", "fragment"), [
+    (["gateway.enabled=true", "gateway.inferencePool.matchLabels.role=decode"], None,
+     "/gateway/transfer"),
+    (["gateway.enabled=true", "gateway.transfer=t"], None, "/gateway/inferencePool/matchLabels"),
+    ([*GATEWAY_SETS, "gateway.inferencePool.failureMode=Open"], None,
+     "/gateway/inferencePool/failureMode"),
+    ([*GATEWAY_SETS, "gateway.prefillHeaders={X-Prefill}"], None, "/gateway/prefillHeaders/0"),
+    ([*GATEWAY_SETS, "gateway.namespace=serving"], None,
+     "gateway.namespace: the decode pods run in serving, which must be one of agent.namespaces"),
+], ids=["transfer", "matchLabels", "failureMode", "prefillHeaders", "namespace"])
+def test_gateway_refuses_incomplete_values(sets: list[str], kube_version: str | None,
+                                           fragment: str) -> None:  # fmt: skip
+    with pytest.raises(HelmError) as err:
+        render(sets=sets, kube_version=kube_version)
+    assert fragment in str(err.value), str(err.value)
+
+
+def test_gateway_probes_before_kubernetes_1_24_are_tcp() -> None:
+    """No gRPC probes before 1.24 (the local test node's 1.20): the gRPC port stands in."""
+    container = _picker(render(sets=GATEWAY_SETS, kube_version="1.20.2"))
+    assert container["readinessProbe"]["tcpSocket"] == {"port": 9002}
+    assert container["livenessProbe"]["tcpSocket"] == {"port": 9002}
+    assert "grpc" not in container["readinessProbe"]
+
+
+def test_gateway_example_fits_the_serving_pods() -> None:
+    """examples/serving/: inferencepool.yaml holds what the chart's gateway.enabled renders for
+    the example's KVTransfer; decode.yaml's sidecar listens on the pool's target port and calls
+    its own pod's vLLM, whose port the KVEndpoint publishes for the router; the prefills serve
+    where the picker and the sidecar expect them; httproute.yaml names the pool."""
+    serving = REPO / "examples" / "serving"
+    (kvt,) = yaml.safe_load_all((serving / "kvtransfer.yaml").read_text())
+    (listed,) = yaml.safe_load_all((serving / "inferencepool.yaml").read_text())
+    # One document: demo/vllm_pods.manifests loads every example file as one.
+    assert (listed["apiVersion"], listed["kind"]) == ("v1", "List")
+    items = listed["items"]
+    for obj in items:
+        if obj["kind"] == "InferencePool":
+            jsonschema.validate(obj, _crd_schemas()[(INFERENCE_API, "InferencePool")])
+        else:
+            _validate_k8s(obj)
+    pool = one(items, "InferencePool")
+    decode_labels = kvt["spec"]["decode"]["selector"]["matchLabels"]
+
+    # The chart, told the example's KVTransfer, renders the same pool and picker.
+    escaped = [f"gateway.inferencePool.matchLabels.{k.replace('.', chr(92) + '.')}={v}"
+               for k, v in decode_labels.items()]  # fmt: skip
+    chart = render(sets=["agent.namespaces={serving}", "gateway.enabled=true",
+                         f"gateway.transfer={kvt['metadata']['name']}",
+                         "gateway.namespace=serving", *escaped],
+                   api_versions=WITH_POOL_API)  # fmt: skip
+    chart_pool = one(chart, "InferencePool")
+    assert pool["metadata"]["name"] == chart_pool["metadata"]["name"]
+    ref, chart_ref = pool["spec"]["endpointPickerRef"], chart_pool["spec"]["endpointPickerRef"]
+    assert {**pool["spec"], "endpointPickerRef": {**ref, "name": "-"}} == {
+        **chart_pool["spec"], "endpointPickerRef": {**chart_ref, "name": "-"}}
+    assert pool["spec"]["selector"]["matchLabels"] == decode_labels
+    service = one(items, "Service", ref["name"])
+    (grpc,) = [p for p in service["spec"]["ports"] if p["port"] == ref["port"]["number"]]
+    assert grpc["appProtocol"] == "kubernetes.io/h2c"
+    dep = one(items, "Deployment", ref["name"])
+    assert service["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    (picker,) = dep["spec"]["template"]["spec"]["containers"]
+    chart_picker = _picker(chart)
+    args = _cli(picker["command"])
+    # The example takes its namespace from POD_NAMESPACE; the chart names it.
+    assert {**args, "namespace": "serving"} == _cli(chart_picker["command"])
+    assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in picker["env"]} == {
+        "POD_NAMESPACE": "metadata.namespace"}
+    assert picker["image"] == _command_image(render())
+    assert picker["readinessProbe"] == chart_picker["readinessProbe"]
+    assert picker["livenessProbe"] == chart_picker["livenessProbe"]
+    assert [(p["name"], p["containerPort"]) for p in picker["ports"]] == [
+        (p["name"], p["containerPort"]) for p in chart_picker["ports"]]
+    assert picker["securityContext"]["readOnlyRootFilesystem"] is True
+    assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    sa = dep["spec"]["template"]["spec"]["serviceAccountName"]
+    for role in by_kind(items, "Role"):
+        assert expand_rules(role["rules"]) == READ_ONLY
+    bound = {b["roleRef"]["name"]: [(s["kind"], s["name"], s["namespace"]) for s in b["subjects"]]
+             for b in by_kind(items, "RoleBinding")}  # fmt: skip
+    assert set(bound) == {r["metadata"]["name"] for r in by_kind(items, "Role")}
+    agent_sa = one(render(), "ServiceAccount", "kvbridge-agent")["metadata"]["name"]
+    assert sorted(bound.values()) == sorted([[("ServiceAccount", sa, "serving")],
+                                             [("ServiceAccount", agent_sa, "serving")]])
+
+    # decode.yaml: the sidecar on the pool's target port in front of the pod's own vLLM.
+    (decode,) = yaml.safe_load_all((serving / "decode.yaml").read_text())
+    (prefill,) = yaml.safe_load_all((serving / "prefill.yaml").read_text())
+    template = decode["spec"]["template"]
+    assert decode_labels.items() <= template["metadata"]["labels"].items()
+    assert not decode_labels.items() <= prefill["spec"]["template"]["metadata"]["labels"].items()
+    assert template["spec"]["serviceAccountName"] == agent_sa
+    vllm, sidecar = template["spec"]["containers"]
+    cli = _cli(sidecar["command"])
+    assert (cli["mode"], cli["transfer"], cli["pod_name"], cli["without_prefill_header"]) == (
+        "sidecar", kvt["metadata"]["name"], "$(POD_NAME)", "refuse")
+    assert cli["port"] == pool["spec"]["targetPorts"][0]["number"] == args["target_port"]
+    assert [p["containerPort"] for p in sidecar["ports"]] == [cli["port"]]
+    env = {e["name"]: e for e in sidecar["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert sidecar["image"] == picker["image"]
+    assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
+    assert sidecar["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert sidecar["resources"]["limits"]["memory"]
+
+    def vllm_port(container: dict[str, Any]) -> int:
+        (arg,) = [a for a in container["command"] if a.startswith("--port=")]
+        return int(arg.split("=", 1)[1])
+
+    def serving_port(container: dict[str, Any]) -> int:
+        (value,) = [e["value"] for e in container["env"] if e["name"] == "KVBRIDGE_SERVING_PORT"]
+        return int(value)
+
+    # The sidecar reaches its vLLM on loopback; the router reaches it at the KVEndpoint's
+    # servingPort; both are vLLM's port, and not the sidecar's.
+    assert cli["decode_url"] == f"http://127.0.0.1:{vllm_port(vllm)}"
+    assert serving_port(vllm) == vllm_port(vllm) != cli["port"]
+    assert {p["containerPort"] for p in vllm["ports"] if p["name"] == "http"} == {vllm_port(vllm)}
+    # Prefills are named by their servingPort, which is their vLLM's port.
+    (prefill_vllm,) = prefill["spec"]["template"]["spec"]["containers"]
+    assert serving_port(prefill_vllm) == vllm_port(prefill_vllm) == args["engine_port"]
+
+    (route,) = yaml.safe_load_all((serving / "httproute.yaml").read_text())
+    assert (route["apiVersion"], route["kind"]) == ("gateway.networking.k8s.io/v1", "HTTPRoute")
+    assert [r["backendRefs"] for r in route["spec"]["rules"]] == [[{
+        "group": "inference.networking.k8s.io", "kind": "InferencePool",
+        "name": pool["metadata"]["name"]}]]

@@ -66,7 +66,7 @@ def describe(kube: Kube) -> str:
 @pytest.fixture(scope="module")
 def serving(api: Api, kube: Kube, release: str, images: dict[str, str]
             ) -> Iterator[dict[str, dict[str, Any]]]:  # fmt: skip
-    docs = vp.manifests(images["KVB_IMAGE_VLLM"])
+    docs = vp.manifests(images["KVB_IMAGE_VLLM"], images["KVB_IMAGE_OPERATOR"])
     started = time.monotonic()
     for stem in ("kvtransfer", "prefill", "decode"):
         kube.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump(docs[stem]))
@@ -202,7 +202,7 @@ def test_router_sends_concurrent_requests_over_verified_pairs_only(
     decodes = {d.metadata.name for d in role_pods(api, "decode")}
     assert set(by_decode) == decodes and sum(by_decode.values()) == len(jobs), served
     # The refused decode never saw a request, through the router or otherwise.
-    assert vp.metric_sum(vp.scrape(bad_ip, vp.HTTP_PORT), "vllm:request_success_total") == 0
+    assert vp.metric_sum(vp.scrape(bad_ip, vp.DECODE_HTTP_PORT), "vllm:request_success_total") == 0
 
 
 def test_openai_client_through_the_router(router: str, references: dict[str, list[int]]
