@@ -60,9 +60,26 @@ def _lease(p: argparse.ArgumentParser) -> None:
                    "minus this (default %(default)s)")
 
 
+def _front_door(p: argparse.ArgumentParser) -> None:
+    defaults = RouterSettings()
+    p.add_argument("--header-timeout-seconds", type=float, default=defaults.header_timeout_s,
+                   help="a connection's time to send a complete request line and headers, "
+                   "and the idle keep-alive timeout (default %(default)s)")
+    p.add_argument("--body-timeout-seconds", type=float, default=defaults.body_timeout_s,
+                   help="a request's time to send its whole body once its headers arrived; "
+                   "408 past it (default %(default)s)")
+
+
+def _settings(args: argparse.Namespace) -> RouterSettings:
+    return RouterSettings(engine_port=args.engine_port, lease_s=args.lease_seconds,
+                          lease_margin_s=args.lease_margin_seconds,
+                          header_timeout_s=args.header_timeout_seconds,
+                          body_timeout_s=args.body_timeout_seconds)
+
+
 def _prefill_headers(p: argparse.ArgumentParser, verb: str) -> None:
     p.add_argument("--prefill-header", action="append", dest="prefill_headers",
-                   help=f"the request header(s) that {verb} the prefill's host:port; repeat "
+                   help=f"the request header(s) {verb} the prefill's host:port; repeat "
                    f"for several (default: {', '.join(PREFILL_HEADERS)})")
 
 
@@ -81,7 +98,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.add_argument("--target-port", type=int, default=8000,
                        help="the InferencePool's target port on decode pods, where their "
                        "sidecar listens (default %(default)s)")
-        _prefill_headers(p, "name")
+        _prefill_headers(p, "that name")
     elif mode == "sidecar":
         p = argparse.ArgumentParser(
             prog="kvbridge-router sidecar",
@@ -89,6 +106,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             "picker named, then this pod's vLLM.")
         _common(p, 8000)
         _lease(p)
+        _front_door(p)
         p.add_argument("--pod-name", default=os.environ.get("POD_NAME"),
                        help="this decode's pod (default: $POD_NAME)")
         p.add_argument("--decode-url", default="http://127.0.0.1:8200",
@@ -96,7 +114,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.add_argument("--without-prefill-header", choices=WITHOUT_HEADER, default="refuse",
                        help="a request that names no prefill: refuse it (400, the default) or "
                        "serve it from this pod's engine alone (local)")
-        _prefill_headers(p, "read for")
+        _prefill_headers(p, "to read")
     else:
         p = argparse.ArgumentParser(
             prog="kvbridge-router",
@@ -106,6 +124,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             "'kvbridge-router sidecar --help' (the decode pod's P/D sidecar).")
         _common(p, 8080)
         _lease(p)
+        _front_door(p)
     args = p.parse_args(argv)
     args.mode = mode
     if mode != "epp" and args.lease_margin_seconds >= args.lease_seconds:
@@ -145,8 +164,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.mode == "epp":
         await _serve_picker(args, watch)
     else:
-        settings = RouterSettings(engine_port=args.engine_port, lease_s=args.lease_seconds,
-                                  lease_margin_s=args.lease_margin_seconds)
+        settings = _settings(args)
         if args.mode == "sidecar":
             router: Router = Sidecar(lambda: watch.table, settings, SidecarSettings(
                 args.pod_name, args.decode_url.rstrip("/"), args.prefill_headers,

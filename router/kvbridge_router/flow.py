@@ -34,22 +34,13 @@ class RequestError(ValueError):
 
 
 def check_request(path: str, body: Any) -> dict[str, Any]:
-    """The request body as a dict, or RequestError naming what is wrong."""
+    """The request body as a dict, or RequestError naming what is wrong. Only what the P/D
+    flow itself needs is checked here: the rest of the request is the engines' to judge, and
+    their 4xx is the client's answer (batched prompts and ``n``: batching.py)."""
     if not isinstance(body, dict):
         raise RequestError("request body: expected a JSON object")
-    if path == COMPLETIONS:
-        prompt = body.get("prompt")
-        one_text = isinstance(prompt, str)
-        one_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
-        if not (one_text or one_ids) or (isinstance(prompt, list) and not prompt):
-            raise RequestError("prompt: expected one prompt (a string or a list of token "
-                               "ids); send batched prompts as separate requests")
-    elif path == CHAT and (not isinstance(body.get("messages"), list) or not body["messages"]):
-        raise RequestError("messages: expected a non-empty list")
     if "kv_transfer_params" in body:
         raise RequestError("kv_transfer_params: set by the router, not by clients")
-    if body.get("n", 1) != 1:
-        raise RequestError(f"n: expected 1, got {body.get('n')!r}")
     return body
 
 

@@ -6,11 +6,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
-#: Values of ``outcome``: answered (any status the decode chose, streamed to the end);
-#: rejected (the request was malformed, 4xx from the router or the decode); no_pair (503:
-#: nothing verified); failed (prefill or decode failed on every attempt); stream_error (the
-#: decode failed after the first byte: the stream ended with an error event).
-OUTCOMES = ("answered", "rejected", "no_pair", "failed", "stream_error")
+#: Values of ``outcome``, one per request (tally.py): answered (the decode's answer, streamed
+#: to its end); rejected (the client's mistake: a 4xx from the router, the prefill or the
+#: decode); no_pair (503: nothing verified); failed (prefill or decode failed on every
+#: attempt); stream_error (the decode failed after the first byte: the stream ended with an
+#: error event); cancelled (the client went away before its answer was complete).
+OUTCOMES = ("answered", "rejected", "no_pair", "failed", "stream_error", "cancelled")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 REQUESTS = Counter(

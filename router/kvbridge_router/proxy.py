@@ -1,27 +1,37 @@
 """The router's HTTP side (aiohttp): an OpenAI-compatible front for one KVTransfer's vLLM
 engines, sending each request over a verified pair (table.py, balance.py) in vLLM's P/D
-flow (flow.py).
+flow (flow.py), with the OpenAI surface of a vLLM engine as clients see it.
 
 Threads and state: everything here runs on one asyncio loop. ``table()`` returns the latest
 routing table, which the KVTransfer watch (watch.py) replaces from its own threads; each
 request reads it once per attempt, so a pair the watch drops gets no new request after the
 next read. The balancer's counts are touched only on the loop.
 
-Failures: a prefill that fails, answers an error or returns no ``kv_transfer_params``, or a
+Failures: a prefill that fails, answers a 5xx or returns no ``kv_transfer_params``, or a
 decode that fails before the client saw a byte (a stream's first chunk; a whole non-streaming
 answer, sent in one piece), costs the request one retry on another pair; after the first byte
-was sent to the client, a streaming answer ends with an error event. A client
+was sent to the client, a streaming answer ends with an error event and ``[DONE]``. A client
 that goes away cancels its handler, which closes the decode connection: vLLM aborts the
 request and, when it had not read the prompt's KV yet, tells the prefill to free the blocks
 (vLLM's abort path), instead of holding them for the lease.
+
+Client errors are the client's answer: a 4xx from the prefill or the decode passes through
+with the engine's status and body, is counted ``rejected`` and is never retried (another pair
+would only answer the same); a prefill's message about the prompt's length is said of the
+client's own ``max_tokens`` (client_errors.py). Batched prompts and ``n`` > 1 fan out as
+single P/D requests whose answers merge as vLLM merges them (batching.py). The body's size,
+media type, nesting and reading time are bounded (limits.py), and so is the time a
+connection takes to send its request line and headers (``header_timeout_s``). Every request
+is counted once, however its handler ends (tally.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +40,11 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from . import logfilter, sse, tally
 from . import metrics as m
 from .balance import Balancer, Pair
+from .batching import Plan, StreamMerge, merge_answers, plan
+from .client_errors import error_body, prefill_rejection
 from .flow import (
     CHAT,
     COMPLETIONS,
@@ -42,6 +55,7 @@ from .flow import (
     prefill_request,
     transfer_params,
 )
+from .limits import BodyError, read_json
 from .table import Engine, RoutingTable
 
 log = logging.getLogger("kvbridge.router")
@@ -49,7 +63,10 @@ log = logging.getLogger("kvbridge.router")
 ATTEMPTS = 2          # the first try and one retry on another pair
 MAX_LEASE_REPREFILLS = 2
 SSE = "text/event-stream"
-JSON_HEADERS = {"Content-Type": "application/json"}
+JSON_CONTENT_TYPE = "application/json"
+JSON_HEADERS = {"Content-Type": JSON_CONTENT_TYPE}
+#: events of a fanned-out stream read ahead of the client (beyond, the decodes wait)
+MERGE_QUEUE = 64
 _encode = msgspec.json.Encoder().encode
 _decode_json = msgspec.json.Decoder().decode
 
@@ -63,6 +80,18 @@ class RouterSettings:
     prefill_timeout_s: float = 300.0
     #: connecting to a decode and receiving its response headers
     decode_connect_timeout_s: float = 30.0
+    #: the largest request body; a larger declared Content-Length is refused at once (413)
+    max_body_bytes: int = 64 * 2**20
+    #: reading a request's whole body, once its headers arrived (408 past it)
+    body_timeout_s: float = 30.0
+    #: a connection's time to deliver a complete request line and headers, from its opening
+    #: or from the end of its previous answer. This is aiohttp's keep-alive timer (its
+    #: RequestHandler closes a connection still waiting for a request when it fires, and
+    #: arms it at the connection's start), so an idle keep-alive connection closes as late;
+    #: vLLM's own server closes idle connections after 5 s.
+    header_timeout_s: float = 15.0
+    #: P/D requests one request may fan out into (batched prompts × n, batching.py)
+    max_fanout: int = 256
 
 
 class Refusal(Exception):
@@ -82,9 +111,85 @@ class UpstreamError(Exception):
         self.stage = stage
 
 
-def error_response(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}},
-                             status=status)  # fmt: skip
+class EngineRejection(Exception):
+    """The prefill answered the client's request with a 4xx: the client's answer as it
+    stands, never retried."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status, self.body, self.content_type = status, body, content_type
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None
+                   ) -> web.Response:  # fmt: skip
+    return web.json_response(error_body(message, kind, status, param), status=status)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """How a P/D request ended when no decode answer is left to relay: the client's answer
+    and its outcome."""
+
+    status: int
+    body: bytes
+    outcome: str
+    pair: Pair | None = None
+    content_type: str = JSON_CONTENT_TYPE
+
+    @classmethod
+    def error(cls, status: int, message: str, kind: str, outcome: str,
+              pair: Pair | None = None) -> Answer:  # fmt: skip
+        return cls(status, _encode(error_body(message, kind, status)), outcome, pair)
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, body=self.body,
+                            headers={"Content-Type": self.content_type})  # fmt: skip
+
+
+class Upstream:
+    """A decode's answer once its status and first bytes arrived (all of it unless it
+    streams). ``close`` ends it: the connection closes if it was not read to the end, which
+    makes vLLM abort the request."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, first: bytes, pair: Pair, began: float,
+                 streaming: bool) -> None:  # fmt: skip
+        self.resp, self.first, self.pair, self.streaming = resp, first, pair, streaming
+        self._began = began
+        self._on_close: list[Callable[[], None]] = []
+        self._closed = False
+
+    @property
+    def status(self) -> int:
+        return self.resp.status
+
+    @property
+    def content_type(self) -> str:
+        return self.resp.headers.get("Content-Type", "")
+
+    async def rest(self) -> AsyncIterator[bytes]:
+        """The bytes after ``first``, as they arrive."""
+        async for chunk in self.resp.content.iter_any():
+            yield chunk
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        self._on_close.append(callback)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.resp.release()
+        m.DECODE_SECONDS.observe(time.monotonic() - self._began)
+        for callback in self._on_close:
+            callback()
+
+    def rejection(self) -> Answer | None:
+        """The decode's 4xx as the client's answer (closed), or None."""
+        if self.status < 400:
+            return None
+        self.close()
+        return Answer(self.status, self.first, "rejected", self.pair,
+                      self.content_type or JSON_CONTENT_TYPE)  # fmt: skip
 
 
 class Router:
@@ -101,7 +206,9 @@ class Router:
         self._outstanding: dict[tuple[str, str], Any] = {}  # gauge children, looked up once
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
+        logfilter.install()
+        app = web.Application(client_max_size=self.settings.max_body_bytes,
+                              handler_args=self._handler_args())  # fmt: skip
         app.router.add_post(COMPLETIONS, self.generate)
         app.router.add_post(CHAT, self.generate)
         app.router.add_get("/v1/models", self.models)
@@ -113,10 +220,15 @@ class Router:
 
     def status_app(self) -> web.Application:
         """Only ``/health`` and ``/metrics``: what the endpoint picker serves over HTTP."""
-        app = web.Application()
+        logfilter.install()
+        app = web.Application(handler_args=self._handler_args())
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         return app
+
+    def _handler_args(self) -> dict[str, Any]:
+        """aiohttp's per-connection settings; they override the runner's (``__main__``)."""
+        return {"keepalive_timeout": self.settings.header_timeout_s}
 
     async def _open(self, _app: web.Application) -> None:
         # No total timeout: answers stream for as long as the decode generates.
@@ -149,7 +261,7 @@ class Router:
         decodes = table.decodes()
         if not decodes:
             return error_response(503, f"no verified prefill/decode pair: {table.reason}",
-                          "no_verified_pair")
+                                  "no_verified_pair")
         assert self.session is not None
         try:
             async with self.session.get(self._url(decodes[0], "/v1/models"),
@@ -162,21 +274,26 @@ class Router:
     # -- completions -------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
-        body = await self._read_body(request)
-        if isinstance(body, web.StreamResponse):
-            return body
         try:
-            return await self._serve(request, body, started)
+            with tally.opened():
+                body = await self._read_body(request)
+                if isinstance(body, web.StreamResponse):
+                    return body
+                return await self._serve(request, body, started)
         finally:
             m.TOTAL_SECONDS.observe(time.monotonic() - started)
 
     async def _read_body(self, request: web.Request) -> dict[str, Any] | web.StreamResponse:
         """The client's request body, checked; an error answer (counted) when it is bad."""
         try:
-            return check_request(request.path, _decode_json(await request.read()))
-        except msgspec.DecodeError:
-            return self._count(error_response(400, "request body: expected JSON",
-                                              "invalid_request_error"), "rejected")
+            body = await read_json(request, self.settings.max_body_bytes,
+                                   self.settings.body_timeout_s)  # fmt: skip
+            return check_request(request.path, body)
+        except BodyError as exc:
+            out = web.json_response(exc.body, status=exc.status)
+            if exc.close:
+                out.force_close()
+            return self._count(out, "rejected")
         except RequestError as exc:
             return self._count(error_response(400, str(exc), "invalid_request_error"), "rejected")
 
@@ -185,12 +302,39 @@ class Router:
 
     def _count(self, response: web.StreamResponse, outcome: str, pair: Pair | None = None
                ) -> web.StreamResponse:  # fmt: skip
-        prefill, decode = (pair.prefill.engine_id, pair.decode.engine_id) if pair else ("", "")
-        m.REQUESTS.labels(outcome, prefill, decode).inc()
+        """``response``, its request counted ``outcome``: on the handler's tally when one is
+        open (counted when the handler ends), at once otherwise."""
+        current = tally.current()
+        if current is None:
+            tally.count(outcome, pair)
+        else:
+            current.settle(outcome, pair)
         return response
+
+    @staticmethod
+    def _settle(outcome: str, pair: Pair | None) -> None:
+        current = tally.current()
+        if current is not None:
+            current.settle(outcome, pair)
 
     async def _serve(self, request: web.Request, body: dict[str, Any], started: float
                      ) -> web.StreamResponse:  # fmt: skip
+        try:
+            fan = plan(request.path, body, self.settings.max_fanout)
+        except RequestError as exc:
+            return self._count(error_response(400, str(exc), "invalid_request_error"), "rejected")
+        if len(fan.bodies) > 1:
+            return await self._fan_out(request, fan, started)
+        result = await self._pd(request, fan.bodies[0])
+        if isinstance(result, Answer):
+            return self._count(result.response(), result.outcome, result.pair)
+        m.TTFT_SECONDS.observe(time.monotonic() - started)
+        return await self._respond(request, result)
+
+    async def _pd(self, request: web.Request, body: dict[str, Any]) -> Upstream | Answer:
+        """One P/D request: the decode's answer, its first bytes received, over a pair tried
+        again per the failure rules (module docstring); an Answer when none is left to relay.
+        Counts nothing: the caller answers the client."""
         avoid: set[tuple[str, str]] = set()
         failures: list[str] = []
         attempts = reprefills = 0
@@ -199,17 +343,17 @@ class Router:
             try:
                 pair = self.choose(request, table, avoid)
             except Refusal as exc:
-                return self._refuse(exc)
+                return Answer.error(exc.status, str(exc), exc.kind, "rejected")
             if pair is None:
                 if not failures:
-                    return self._count(error_response(
-                        503, f"no verified prefill/decode pair: {table.reason}",
-                        "no_verified_pair"), "no_pair")
-                return self._count(error_response(502, "; ".join(failures), "upstream_error"),
-                                   "failed")
+                    return Answer.error(503, f"no verified prefill/decode pair: {table.reason}",
+                                        "no_verified_pair", "no_pair")  # fmt: skip
+                return Answer.error(502, "; ".join(failures), "upstream_error", "failed")
             attempts += 1
             try:
-                return await self._attempt(request, body, pair, started)
+                return await self._attempt(request.path, body, pair)
+            except EngineRejection as exc:
+                return Answer(exc.status, exc.body, "rejected", pair, exc.content_type)
             except UpstreamError as exc:
                 failures.append(f"{pair.label}: {exc}")
                 log.warning("request failed on pair %s at %s: %s", pair.label, exc.stage, exc)
@@ -220,8 +364,8 @@ class Router:
                     continue
                 avoid.add((pair.decode.engine_id, pair.prefill.engine_id))
                 if attempts >= ATTEMPTS:
-                    return self._count(error_response(502, "; ".join(failures), "upstream_error"),
-                                       "failed", pair)  # fmt: skip
+                    return Answer.error(502, "; ".join(failures), "upstream_error", "failed",
+                                        pair)  # fmt: skip
                 m.RETRIES.labels(exc.stage).inc()
 
     def choose(self, request: web.Request, table: RoutingTable,
@@ -230,18 +374,20 @@ class Router:
         that take the pair from the request (the sidecar) override this."""
         return self.balancer.pick(table, avoid)
 
-    async def _attempt(self, request: web.Request, body: dict[str, Any], pair: Pair,
-                       started: float) -> web.StreamResponse:  # fmt: skip
+    async def _attempt(self, path: str, body: dict[str, Any], pair: Pair) -> Upstream:
         self._start(pair.decode)    # from the pick on: concurrent picks see it taken
         try:
-            params, answered_at = await self._prefill(request.path, body, pair.prefill)
+            params, answered_at = await self._prefill(path, body, pair.prefill)
             if not fresh_enough(answered_at, time.monotonic(), self.settings.lease_s,
                                 self.settings.lease_margin_s):
                 raise UpstreamError("lease", "the prefill's answer is older than its lease "
                                     f"minus {self.settings.lease_margin_s:g} s")
-            return await self._decode(request, decode_request(body, params), pair, started)
-        finally:
+            upstream = await self._open_decode(path, decode_request(body, params), pair)
+        except BaseException:
             self._done(pair.decode)
+            raise
+        upstream.on_close(lambda: self._done(pair.decode))
+        return upstream
 
     async def _prefill(self, path: str, body: dict[str, Any], engine: Engine
                        ) -> tuple[dict[str, Any], float]:  # fmt: skip
@@ -255,6 +401,9 @@ class Router:
                     timeout=aiohttp.ClientTimeout(total=self.settings.prefill_timeout_s)
             ) as resp:
                 raw = await resp.read()
+                if 400 <= resp.status < 500:
+                    raise EngineRejection(resp.status, prefill_rejection(path, body, raw),
+                                          resp.headers.get("Content-Type", JSON_CONTENT_TYPE))
                 if resp.status != 200:
                     raise UpstreamError("prefill", f"prefill answered HTTP {resp.status}: "
                                         f"{raw[:300].decode(errors='replace')}")
@@ -267,40 +416,53 @@ class Router:
         m.PREFILL_SECONDS.observe(time.monotonic() - began)
         return params, time.monotonic()
 
-    async def _decode(self, request: web.Request, body: dict[str, Any], pair: Pair,
-                      started: float) -> web.StreamResponse:  # fmt: skip
+    async def _open_decode(self, path: str, body: dict[str, Any], pair: Pair) -> Upstream:
+        """The decode's answer to ``body`` up to its first bytes (all of a whole answer, and
+        of a 4xx); UpstreamError when it fails before then."""
         assert self.session is not None
         engine = pair.decode
         began = time.monotonic()
         try:
-            try:
-                resp = await self.session.post(
-                    self._url(engine, request.path), data=_encode(body), headers=JSON_HEADERS,
-                    timeout=aiohttp.ClientTimeout(
-                        total=None, sock_connect=self.settings.decode_connect_timeout_s))
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                raise UpstreamError("decode", f"decode {engine.engine_id}: "
-                                    f"{type(exc).__name__}: {exc}") from exc
-            try:
-                if resp.content_type != SSE:
-                    return await self._answer(resp, pair, started)
-                first = await self._decode_bytes(resp, engine, resp.content.readany)
-                m.TTFT_SECONDS.observe(time.monotonic() - started)
-                return await self._relay(request, resp, first, pair)
-            finally:
-                resp.release()
-        finally:
+            resp = await self.session.post(
+                self._url(engine, path), data=_encode(body), headers=JSON_HEADERS,
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=self.settings.decode_connect_timeout_s))
+        except (aiohttp.ClientError, TimeoutError) as exc:
             m.DECODE_SECONDS.observe(time.monotonic() - began)
+            raise UpstreamError("decode", f"decode {engine.engine_id}: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        streaming = resp.content_type == SSE and resp.status < 400
+        try:
+            first = await self._decode_bytes(resp, engine,
+                                             resp.content.readany if streaming else resp.read)
+        except BaseException:
+            resp.release()
+            m.DECODE_SECONDS.observe(time.monotonic() - began)
+            raise
+        return Upstream(resp, first, pair, began, streaming)
 
-    async def _answer(self, resp: aiohttp.ClientResponse, pair: Pair, started: float
-                      ) -> web.Response:  # fmt: skip
-        """A whole (non-streaming) answer, sent in one piece; until it is complete nothing
-        reached the client, so a decode failing before then costs a retry, not an error."""
-        raw = await self._decode_bytes(resp, pair.decode, resp.read)
-        m.TTFT_SECONDS.observe(time.monotonic() - started)
-        out = web.Response(status=resp.status, body=raw,
-                           headers={"Content-Type": resp.headers.get("Content-Type", "")})
-        return self._count(out, "answered" if resp.status < 400 else "rejected", pair)
+    async def _decode(self, request: web.Request, body: dict[str, Any], pair: Pair,
+                      started: float) -> web.StreamResponse:  # fmt: skip
+        """The decode's answer to ``body`` relayed to the client and counted (the sidecar's
+        local path calls this with its engine as both ends of ``pair``); UpstreamError,
+        uncounted, when the decode fails before the client saw a byte."""
+        with tally.opened(drop_on=UpstreamError):
+            upstream = await self._open_decode(request.path, body, pair)
+            m.TTFT_SECONDS.observe(time.monotonic() - started)
+            return await self._respond(request, upstream)
+
+    async def _respond(self, request: web.Request, upstream: Upstream) -> web.StreamResponse:
+        """One decode's answer to the client: a whole one in one piece, a stream as it
+        arrives; 4xx answers pass through."""
+        try:
+            if upstream.streaming:
+                return await self._relay(request, upstream)
+            out = web.Response(status=upstream.status, body=upstream.first,
+                               headers={"Content-Type": upstream.content_type})  # fmt: skip
+            return self._count(out, "answered" if upstream.status < 400 else "rejected",
+                               upstream.pair)  # fmt: skip
+        finally:
+            upstream.close()
 
     @staticmethod
     async def _decode_bytes(resp: aiohttp.ClientResponse, engine: Engine,
@@ -312,32 +474,145 @@ class Router:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise UpstreamError("decode", f"decode {engine.engine_id}: "
                                 f"{type(exc).__name__}: {exc}") from exc
-        if resp.status >= 500 or not data:
+        if resp.status >= 500 or (not data and resp.status < 400):
             raise UpstreamError("decode", f"decode answered HTTP {resp.status}: "
                                 f"{data[:300].decode(errors='replace')}")
         return data
 
-    async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, first: bytes,
-                     pair: Pair) -> web.StreamResponse:  # fmt: skip
-        """The decode's answer to the client as it arrives; 4xx answers pass through."""
-        outcome = "answered" if resp.status < 400 else "rejected"
-        out = web.StreamResponse(status=resp.status)
-        out.content_type = resp.content_type
+    async def _relay(self, request: web.Request, upstream: Upstream) -> web.StreamResponse:
+        """The decode's stream to the client as it arrives. Answered once its ``[DONE]``
+        went out, so a client that closes right after still counts as answered; a failure
+        after the first byte ends the stream with an error event."""
+        pair = upstream.pair
+        out = web.StreamResponse(status=upstream.status)
+        out.content_type = upstream.resp.content_type
+        self._settle(tally.CANCELLED, pair)
         await out.prepare(request)
-        await out.write(first)
+        await out.write(upstream.first)
+        tail = upstream.first[-32:]
+        done = sse.ends_with_done(tail)
+        if done:
+            self._settle("answered", pair)
+        outcome = "answered"
         try:
-            async for chunk in resp.content.iter_any():
+            async for chunk in upstream.rest():
                 await out.write(chunk)
+                tail = (tail + chunk)[-32:]
+                if not done and sse.ends_with_done(tail):
+                    done = True
+                    self._settle("answered", pair)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("decode %s failed mid-answer: %s", pair.decode.engine_id, exc)
-            if resp.content_type == SSE:
-                event = {"error": {"message": f"decode {pair.decode.engine_id} failed after "
-                                   f"the first byte: {type(exc).__name__}: {exc}",
-                                   "type": "upstream_error", "code": 502}}
-                await out.write(f"data: {json.dumps(event)}\n\n".encode())
-            outcome = "stream_error"
+            if not done:
+                log.warning("decode %s failed mid-answer: %s", pair.decode.engine_id, exc)
+                separator = b"" if tail.endswith(b"\n\n") else b"\n\n"
+                await out.write(separator + _stream_error(pair, exc) + sse.DONE_EVENT)
+                outcome = "stream_error"
+        self._settle(outcome, pair)
         await out.write_eof()
-        return self._count(out, outcome, pair)
+        return out
+
+    # -- fan-out (batching.py) -------------------------------------------------------------
+    async def _fan_out(self, request: web.Request, fan: Plan, started: float
+                       ) -> web.StreamResponse:  # fmt: skip
+        begun = await self._start_all(request, fan)
+        if isinstance(begun, Answer):
+            return self._count(begun.response(), begun.outcome, begun.pair)
+        m.TTFT_SECONDS.observe(time.monotonic() - started)
+        pair = begun[0].pair
+        try:
+            if all(u.streaming for u in begun):
+                return await self._relay_merged(request, fan, begun)
+            try:
+                answers = [] if any(u.streaming for u in begun) else \
+                    [_decode_json(u.first) for u in begun]
+            except msgspec.DecodeError:
+                answers = []
+            if not answers or not all(isinstance(a, dict) for a in answers):
+                return self._count(error_response(
+                    502, "the decodes' answers to a fanned-out request do not merge",
+                    "upstream_error"), "failed", pair)
+            return self._count(web.Response(body=_encode(merge_answers(fan, answers)),
+                                            headers=JSON_HEADERS), "answered", pair)
+        finally:
+            for upstream in begun:
+                upstream.close()
+
+    async def _start_all(self, request: web.Request, fan: Plan) -> list[Upstream] | Answer:
+        """Every P/D request of ``fan`` up to its decode's first bytes (vLLM, too, checks all
+        the prompts of a batch before it answers a byte), or the one answer for them all: the
+        first prompt's rejection, as vLLM gives it, else the first failure. Requests after a
+        rejected one are cancelled at once: they cannot change the answer."""
+        tasks = [asyncio.create_task(self._pd(request, body)) for body in fan.bodies]
+        index = {task: i for i, task in enumerate(tasks)}
+        results: dict[int, Upstream | Answer] = {}
+        try:
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if not task.cancelled():
+                        result = task.result()
+                        rejection = result.rejection() if isinstance(result, Upstream) else None
+                        results[index[task]] = rejection or result
+                first = min((i for i, r in results.items()
+                             if isinstance(r, Answer) and r.outcome == "rejected"), default=None)
+                for task in pending:
+                    if first is not None and index[task] > first:
+                        task.cancel()
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            finished = await asyncio.gather(*tasks, return_exceptions=True)
+            _close_all([*results.values(), *finished])
+            raise
+        ended = sorted((r.outcome != "rejected", i) for i, r in results.items()
+                       if isinstance(r, Answer))  # fmt: skip
+        if ended:
+            _close_all(results.values())
+            answer = results[ended[0][1]]
+            assert isinstance(answer, Answer)
+            return answer
+        return [u for _, u in sorted(results.items()) if isinstance(u, Upstream)]
+
+    async def _relay_merged(self, request: web.Request, fan: Plan, upstreams: list[Upstream]
+                            ) -> web.StreamResponse:  # fmt: skip
+        """The decodes' streams as one (batching.StreamMerge), events as they arrive."""
+        pair = upstreams[0].pair
+        merge = StreamMerge(fan)
+        out = web.StreamResponse(status=200)
+        out.content_type = SSE
+        self._settle(tally.CANCELLED, pair)
+        await out.prepare(request)
+        queue: asyncio.Queue[tuple[int, sse.Event | Exception | None]] = \
+            asyncio.Queue(maxsize=MERGE_QUEUE)
+        pumps = [asyncio.create_task(_pump(i, u, queue)) for i, u in enumerate(upstreams)]
+        outcome = "answered"
+        try:
+            live = len(pumps)
+            while live:
+                sub, item = await queue.get()
+                if item is None:
+                    live -= 1
+                elif isinstance(item, Exception):
+                    failed = upstreams[sub].pair
+                    log.warning("decode %s failed mid-answer: %s", failed.decode.engine_id, item)
+                    await out.write(_stream_error(failed, item))
+                    outcome = "stream_error"
+                    break
+                else:
+                    for data in merge.feed(sub, item):
+                        await out.write(data)
+                    if merge.failed:
+                        outcome = "stream_error"
+                        break
+            await out.write(merge.finish())
+            self._settle(outcome, pair)
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+        await out.write_eof()
+        return out
 
     def _gauge(self, engine: Engine) -> Any:
         key = (engine.engine_id, engine.role)
@@ -353,3 +628,40 @@ class Router:
     def _done(self, engine: Engine) -> None:
         self.balancer.done(engine)
         self._gauge(engine).dec()
+
+
+async def _pump(sub: int, upstream: Upstream,
+                queue: asyncio.Queue[tuple[int, sse.Event | Exception | None]]) -> None:
+    """Sub-stream ``sub``'s events into ``queue``, then None; its failure before its
+    ``[DONE]`` as the exception."""
+    parser = sse.Parser()
+    done = False
+    try:
+        for ev in parser.feed(upstream.first):
+            done = done or ev.data == sse.DONE
+            await queue.put((sub, ev))
+        async for chunk in upstream.rest():
+            for ev in parser.feed(chunk):
+                done = done or ev.data == sse.DONE
+                await queue.put((sub, ev))
+        rest = parser.rest()
+        if rest is not None:
+            await queue.put((sub, rest))
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        if not done:
+            await queue.put((sub, exc))
+            return
+    await queue.put((sub, None))
+
+
+def _stream_error(pair: Pair, exc: BaseException) -> bytes:
+    """The error event that ends a stream whose decode failed after the first byte."""
+    return sse.event(json.dumps(error_body(
+        f"decode {pair.decode.engine_id} failed after the first byte: "
+        f"{type(exc).__name__}: {exc}", "upstream_error", 502)).encode())
+
+
+def _close_all(results: Collection[Any]) -> None:
+    for result in results:
+        if isinstance(result, Upstream):
+            result.close()

@@ -1,4 +1,5 @@
-"""The P/D router in front of real vLLM engines as processes, on the local control plane.
+"""The P/D router, and the inference-gateway path, in front of real vLLM engines as
+processes, on the local control plane.
 
 Four ``vllm serve`` processes with KVBridgeConnector stand in for pods (their Pod objects on
 the fake nodes give them identities, ownerReferences and pod-bound tokens): one prefill, two
@@ -9,6 +10,15 @@ equal one engine's under concurrency, the refused decode never receives a reques
 official openai client, the abort path (a client that leaves while its decode waits gets
 the prefill's blocks freed at once, not after the lease), and a decode killed under load
 (no wrong tokens, the failed attempts retried on the other pair).
+
+The gateway path shares the engines: a real Envoy configured as the inference extension
+configures a pool's gateway, ``kvbridge-router epp`` as its endpoint picker and
+``kvbridge-router sidecar`` in front of each decode, all following the same KVTransfer. Each
+engine has a loopback address of its own (127.0.0.x, as a pod has an IP), so the pool's one
+target port (the sidecars') names a decode by address. Checked there: the openai client
+through Envoy, both verified pairs serving and the refused decode none, a forged prefill
+header refused by the sidecar, the picker killed (FailClose: errors, never a wrong answer)
+and back, and the decode kill under load through both fronts at once.
 """
 
 from __future__ import annotations
@@ -19,12 +29,16 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import openai_surface
 import pytest
 import vllm_pods as vp
 from kvb_e2e import Api, wait_for
@@ -34,6 +48,7 @@ from vllm_servers import OpenAIServer, connector_config, start_servers
 
 from kvbridge_operator.config import TRANSFERS
 from kvbridge_testkit.cluster import free_port
+from kvbridge_testkit.envoy import Envoy
 
 pytestmark = [pytest.mark.k8s, pytest.mark.nixl, pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.timeout(900)]  # fmt: skip
@@ -56,6 +71,9 @@ class Serving:
     router: str
     router_proc: subprocess.Popen[bytes]
     references: dict[str, list[int]]
+    #: the router's ServiceAccount (read-only on KVTransfers and KVEndpoints), and a folder
+    kubeconfig: Path
+    work: Path
 
     def engine_id(self, name: str) -> str:
         return f"{self.ns}-{name}"
@@ -98,16 +116,17 @@ def serving(cluster: Any, api: Api, operator: Any, tmp_path_factory: pytest.Temp
     pods: dict[str, SimPod] = {}
     router_proc = None
     try:
-        for name, (role, dtype, extra) in layout.items():
+        for index, (name, (role, dtype, extra)) in enumerate(layout.items()):
+            host = f"127.0.0.{11 + index}"
             pod = SimPod(cluster, ns, name, role=role, engine_id=f"{ns}-{name}",
                          sa=AGENT_SA).create_pod()
             token = pod_bound_token(cluster.kubectl, ns, AGENT_SA, pod.name)
             pods[name] = pod
             engines[name] = OpenAIServer(
                 model, work, name, dtype=dtype, max_num_seqs=None if role == "prefill" else 1,
-                connector=connector_config(engine_id=pod.engine_id, **extra),
+                connector=connector_config(engine_id=pod.engine_id, **extra), host=host,
                 env={"POD_NAME": pod.name, "POD_UID": pod.uid, "POD_NAMESPACE": ns,
-                     "NODE_NAME": pod.node, "POD_IP": "127.0.0.1",
+                     "NODE_NAME": pod.node, "POD_IP": host,
                      "KUBECONFIG": str(cluster.kubeconfig_for_token(token, f"{ns}-{name}")),
                      "KVBRIDGE_POD_LABELS_FILE": str(work / "no-labels"),
                      "KVBRIDGE_TRANSFER": "kvt", "KVBRIDGE_ROLE": role,
@@ -117,12 +136,13 @@ def serving(cluster: Any, api: Api, operator: Any, tmp_path_factory: pytest.Temp
         log.info("four vllm serve processes up in %.0f s", time.monotonic() - started)
 
         token = cluster.kubectl("create", "token", ROUTER_SA, "-n", ns).stdout.strip()
+        router_kubeconfig = cluster.kubeconfig_for_token(token, f"{ns}-router")
         port = free_port()
         router_log = (work / "router.log").open("wb")
         router_proc = subprocess.Popen(
             [sys.executable, "-m", "kvbridge_router", "--transfer", "kvt", "--namespace", ns,
              "--host", "127.0.0.1", "--port", str(port), "--lease-seconds", str(LEASE_S),
-             "--kubeconfig", str(cluster.kubeconfig_for_token(token, f"{ns}-router"))],
+             "--kubeconfig", str(router_kubeconfig)],
             stdout=router_log, stderr=subprocess.STDOUT)  # fmt: skip
         router = f"http://127.0.0.1:{port}"
 
@@ -136,7 +156,8 @@ def serving(cluster: Any, api: Api, operator: Any, tmp_path_factory: pytest.Temp
         references = {p: vp.post(f"{engines['prefill-0'].url}/v1/completions",
                                  vp.completion(p, MAX_TOKENS))["choices"][0]["token_ids"]
                       for p in vp.prompts(4, seed=31)}  # fmt: skip
-        yield Serving(ns, engines, pods, router, router_proc, references)
+        yield Serving(ns, engines, pods, router, router_proc, references,
+                      Path(router_kubeconfig), work)
     finally:
         if router_proc is not None:
             router_proc.terminate()
@@ -248,22 +269,212 @@ def test_a_client_leaving_before_its_decode_read_frees_the_prefills_blocks(
     assert kv_usage(prefill) == held
 
 
-def test_a_decode_killed_under_load_never_answers_wrong_tokens(api: Api,
-                                                               serving: Serving) -> None:
+def requests_counted(url: str) -> float:
+    return sum(n for _, n in vp.router_series(url, "kvbridge_router_requests_total"))
+
+
+@pytest.mark.parametrize("case", openai_surface.CASES, ids=lambda c: c.name)
+def test_the_routers_openai_surface_is_the_engines(serving: Serving,
+                                                   case: openai_surface.Case) -> None:
+    """Each request shape and client error gets from the router what one engine answers
+    (status, body shape, greedy tokens), and the router counts it exactly once. After the
+    abort test, which measures the prefill's held blocks: a case the decode refuses leaves
+    the prompt's blocks held on the prefill until its lease ends."""
+    before = requests_counted(serving.router)
+    openai_surface.compare(serving.router, serving.engines["decode-0"].url, case)
+    assert requests_counted(serving.router) == before + 1
+
+
+# -- the inference-gateway path: Envoy, the endpoint picker, a sidecar per decode ----------
+GATEWAY_DECODES = ("decode-0", "decode-1", "decode-bf16")
+
+
+@dataclass
+class Gateway:
+    s: Serving
+    envoy: Envoy
+    sidecar_port: int
+    picker_port: int
+    metrics_port: int
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return self.envoy.url
+
+    @property
+    def picker_metrics(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}"
+
+    def sidecar_url(self, decode: str) -> str:
+        return f"http://{self.s.engines[decode].host}:{self.sidecar_port}"
+
+    def spawn(self, name: str, *argv: str) -> None:
+        """``kvbridge-router ARGV`` as the router's ServiceAccount, logging to a file."""
+        log = (self.s.work / f"{name}.log").open("ab")
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "kvbridge_router", *argv, "--transfer", "kvt",
+             "--namespace", self.s.ns, "--kubeconfig", str(self.s.kubeconfig)],
+            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+    def start_picker(self) -> None:
+        self.spawn("picker", "epp", "--host", "127.0.0.1", "--port", str(self.picker_port),
+                   "--metrics-port", str(self.metrics_port),
+                   "--target-port", str(self.sidecar_port))  # fmt: skip
+
+        def up() -> bool:
+            if self.procs["picker"].poll() is not None:
+                raise AssertionError(f"the picker exited: {self.log('picker')}")
+            return vp.http_ok(f"{self.picker_metrics}/metrics") and vp.get_json(
+                f"{self.picker_metrics}/health").get("verifiedPairs") == 2
+        wait_for(up, timeout=60, what="the endpoint picker seeing both verified pairs")
+
+    def log(self, name: str) -> str:
+        return (self.s.work / f"{name}.log").read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def gateway(serving: Serving) -> Iterator[Gateway]:
     s = serving
+    gw = Gateway(s, Envoy(s.work, picker_port := free_port()), free_port(), picker_port,
+                 free_port())
+    try:
+        for decode in GATEWAY_DECODES:
+            engine = s.engines[decode]
+            gw.spawn(f"sidecar-{decode}", "sidecar", "--host", engine.host,
+                     "--port", str(gw.sidecar_port), "--pod-name", s.pods[decode].name,
+                     "--decode-url", engine.url, "--lease-seconds", str(LEASE_S))
+        gw.start_picker()
+        for decode in GATEWAY_DECODES:
+            wait_for(lambda d=decode: vp.http_ok(f"{gw.sidecar_url(d)}/metrics"), timeout=60,
+                     what=f"the sidecar of {decode}")
+        gw.envoy.start()
+        yield gw
+    finally:
+        gw.envoy.stop()
+        gw.stop()
+
+
+def through_gateway(url: str, prompt: str, headers: dict[str, str] | None = None
+                    ) -> tuple[list[int], str]:  # fmt: skip
+    """The greedy token ids of one completion sent through ``url``, and the pair header."""
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(vp.completion(prompt, MAX_TOKENS)).encode(),
+        {"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        return json.load(reply)["choices"][0]["token_ids"], reply.headers.get("x-kvbridge-pair")
+
+
+def picked_by_decode(gw: Gateway) -> dict[str, float]:
+    return {labels["decode"]: n for labels, n in vp.router_series(
+        gw.picker_metrics, "kvbridge_picker_requests_total")
+        if labels["outcome"] == "picked"}  # fmt: skip
+
+
+def test_gateway_requests_take_verified_pairs_only(gateway: Gateway) -> None:
+    gw, s = gateway, gateway.s
+    bad_before = vp.metric_sum(vp.scrape_url(f"{s.engines['decode-bf16'].url}/metrics"),
+                               "vllm:request_success_total")  # fmt: skip
+    jobs = [prompt for prompt in s.references for _ in range(4)]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda p: through_gateway(gw.url, p), jobs))
+    assert [tokens for tokens, _ in answers] == [s.references[p] for p in jobs]
+    pairs = {pair for _, pair in answers}
+    good = {f"{s.engine_id('prefill-0')}->{s.engine_id(d)}" for d in ("decode-0", "decode-1")}
+    assert pairs == good, pairs
+    picked = picked_by_decode(gw)
+    assert set(picked) == {s.engine_id("decode-0"), s.engine_id("decode-1")}, picked
+    bad = vp.scrape_url(f"{s.engines['decode-bf16'].url}/metrics")
+    assert vp.metric_sum(bad, "vllm:request_success_total") == bad_before == 0
+
+
+def test_openai_client_through_the_gateway(gateway: Gateway) -> None:
+    prompt, reference = next(iter(gateway.s.references.items()))
+    vp.check_openai_client(gateway.url, prompt, reference, MAX_TOKENS)
+
+
+def test_a_forged_prefill_header_is_refused_by_the_sidecar(gateway: Gateway) -> None:
+    gw, s = gateway, gateway.s
+    prefill = s.engines["prefill-0"]
+    before = vp.metric_sum(vp.scrape_url(f"{prefill.url}/metrics"), "vllm:request_success_total")
+    prompt = next(iter(s.references))
+    for forged in (f"{s.engines['decode-1'].host}:{s.engines['decode-1'].port}",
+                   "127.0.0.1:1"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            through_gateway(gw.sidecar_url("decode-0"), prompt,
+                            {"x-prefiller-host-port": forged})
+        assert refused.value.code == 403, refused.value.read()
+    # Through Envoy the picker overwrites whatever the client sent: answered right.
+    tokens, _ = through_gateway(gw.url, prompt, {"x-prefiller-host-port": "127.0.0.1:1",
+                                                 "x-gateway-destination-endpoint":
+                                                 f"{s.engines['decode-bf16'].host}:"
+                                                 f"{gw.sidecar_port}"})  # fmt: skip
+    assert tokens == s.references[prompt]
+    after = vp.metric_sum(vp.scrape_url(f"{prefill.url}/metrics"), "vllm:request_success_total")
+    assert after == before + 1
+
+
+@pytest.mark.parametrize("case", openai_surface.CASES, ids=lambda c: c.name)
+def test_the_gateways_openai_surface_is_the_engines(gateway: Gateway,
+                                                    case: openai_surface.Case) -> None:
+    """The same through Envoy, the picker and a decode's sidecar; the sidecar that served
+    counts the request exactly once."""
+    sidecars = [gateway.sidecar_url(d) for d in ("decode-0", "decode-1")]
+    before = sum(requests_counted(url) for url in sidecars)
+    openai_surface.compare(gateway.url, gateway.s.engines["decode-0"].url, case)
+    assert sum(requests_counted(url) for url in sidecars) == before + 1
+
+
+def test_the_picker_killed_fails_closed_and_recovers(gateway: Gateway) -> None:
+    gw, s = gateway, gateway.s
+    prompt = next(iter(s.references))
+    gw.procs["picker"].kill()
+    gw.procs["picker"].wait(10)
+    for _ in range(3):
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            through_gateway(gw.url, prompt)
+        assert failed.value.code >= 500
+    gw.start_picker()
+    assert through_gateway(gw.url, prompt)[0] == s.references[prompt]
+
+
+def test_a_decode_killed_under_load_never_answers_wrong_tokens(api: Api,
+                                                               gateway: Gateway) -> None:
+    """decode-1's engine killed and its pod deleted (its sidecar goes with it) while clients
+    send through the router and through the gateway. The router retries on the other pair
+    and fails nothing; the gateway's requests already sent to decode-1 may fail (its pod is
+    gone), none answers wrong tokens, and once the picker's table drops the pair all succeed."""
+    s, gw = gateway.s, gateway
     retries_before = retried(s)
-    with vp.routed_load(s.router, list(s.references), MAX_TOKENS) as load:
-        wait_for(lambda: len(load.results) >= 8, timeout=120, what="requests flowing")
+    with vp.routed_load(s.router, list(s.references), MAX_TOKENS) as load, \
+            vp.routed_load(gw.url, list(s.references), MAX_TOKENS, clients=2) as gw_load:
+        wait_for(lambda: len(load.results) >= 8 and len(gw_load.results) >= 4, timeout=120,
+                 what="requests flowing through both fronts")
         s.engines["decode-1"].kill()
+        gw.procs["sidecar-decode-1"].kill()
         s.pods["decode-1"].delete_pod()   # the pod gone: its KVEndpoint is collected
-        wait_for(lambda: vp.get_json(f"{s.router}/health").get("verifiedPairs") == 1,
-                 timeout=90, what="the router dropping the killed decode's pair")
-        settled = len(load.results)
-        wait_for(lambda: len(load.results) >= settled + 8, timeout=120,
+        wait_for(lambda: vp.get_json(f"{s.router}/health").get("verifiedPairs") == 1
+                 and vp.get_json(f"{gw.picker_metrics}/health").get("verifiedPairs") == 1,
+                 timeout=90, what="the router and the picker dropping the killed decode's pair")
+        settled, gw_settled = len(load.results), len(gw_load.results)
+        wait_for(lambda: len(load.results) >= settled + 8
+                 and len(gw_load.results) >= gw_settled + 6, timeout=120,
                  what="requests after it")  # fmt: skip
     answered, failed = load.answered, load.failed
-    log.info("decode-1 killed under load: %d answered, %d failed, %d retried on another pair",
-             len(answered), len(failed), retried(s) - retries_before)
+    log.info("decode-1 killed under load: router %d answered, %d failed, %d retried on another "
+             "pair; gateway %d answered, %d failed", len(answered), len(failed),
+             retried(s) - retries_before, len(gw_load.answered), len(gw_load.failed))
     assert [t for p, t in answered if t != s.references[p]] == []
     assert not failed, failed
+    assert [t for p, t in gw_load.answered if t != s.references[p]] == []
+    # Requests in flight when the table changed (at most one per client) may have failed.
+    late = gw_load.results[gw_settled + 2:]
+    assert [r for r in late if not isinstance(r[1], list)] == [], late
     assert "decode-1" not in api.endpoints(s.ns)

@@ -48,19 +48,22 @@ def connector_config(engine_id: str | None = None, **extra: Any) -> str:
 
 
 class OpenAIServer:
-    """One ``vllm serve`` process: start, wait until ``/health`` answers, stop or kill."""
+    """One ``vllm serve`` process: start, wait until ``/health`` answers, stop or kill.
+    ``host``: the address it serves and advertises, one of its own on the loopback
+    (127.0.0.x) where a test needs engines told apart by address, as pods are."""
 
     def __init__(self, model: Path, log_dir: Path, name: str, *, env: dict[str, str] | None = None,
                  dtype: str = "float32", num_blocks: int = 256, max_num_seqs: int | None = None,
-                 connector: str | None = None) -> None:  # fmt: skip
+                 connector: str | None = None, host: str = "127.0.0.1") -> None:  # fmt: skip
         self.name = name
+        self.host = host
         self.port = free_port()
         self.side_port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.log_path = Path(log_dir) / f"{name}.log"
         self.argv = [
             vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(self.port),
+            "--served-model-name", MODEL, "--host", host, "--port", str(self.port),
             "--dtype", dtype, "--enforce-eager", "--block-size", "32",
             "--num-gpu-blocks-override", str(num_blocks), "--max-model-len", "1024",
             "--kv-transfer-config", connector or connector_config(),
@@ -70,7 +73,7 @@ class OpenAIServer:
         base = {k: v for k, v in os.environ.items()
                 if k not in ("POD_NAME", "POD_UID", "KUBECONFIG")}  # fmt: skip
         self.env = {**base, **CPU_ENV, "PYTHONPATH": str(REPO / "agent"),
-                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                    "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_port),
                     "KVBRIDGE_SERVING_PORT": str(self.port), **(env or {})}  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
