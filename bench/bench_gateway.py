@@ -15,6 +15,9 @@ hits all alike); every request has a fresh prompt, ``max_tokens`` 8, greedy, non
 
 - ``gateway.picker_added_p50.cN`` / ``_p99``: gateway minus Envoy alone (ms; ``ratio`` =
   gateway / envoy). Target: at most 1 ms at p50.
+- ``gateway.picker_added_p50.fast_upstream``: the same with an answer server that replies at
+  once in place of the sidecar and engines (concurrency 1), so that the picker's cost is not
+  lost in the engines' noise.
 - ``gateway.added_latency_p50.cN``: gateway minus the direct two calls (ms).
 - ``gateway.throughput_vs_router.cN``: gateway requests per second (``ratio`` = gateway /
   router; higher is better). Target: at least 0.97.
@@ -113,8 +116,76 @@ async def measure(prefill: str, decode: str, urls: dict[str, str]) -> None:
                  direct_rps=tput["direct"], envoy_rps=tput["envoy"], loadavg_1m=load)
 
 
+async def picker_alone(work: Path) -> None:
+    """Envoy with and without the picker in front of an answer server that replies at once:
+    what the picker's ext_proc round trips cost by themselves."""
+    from aiohttp import web
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"choices": [{"index": 0, "text": "x" * 200}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", answer)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port, picker_port = free_port(), free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    picker = subprocess.Popen([sys.executable, "-c", PICKER, str(picker_port), "1", "1",
+                               str(port)], stdout=(work / "picker-alone.log").open("wb"),
+                              stderr=subprocess.STDOUT)  # fmt: skip
+    sides = {"gateway": Envoy(work, picker_port, name="gateway-alone"),
+             "envoy": Envoy(work, None, name="envoy-alone", fixed_headers={
+                 "x-gateway-destination-endpoint": f"127.0.0.1:{port}"})}
+    try:
+        urls = {k: (await asyncio.to_thread(e.start)).url for k, e in sides.items()}
+        await wait_ready_post(urls["gateway"], 30)
+        lat: dict[str, list[float]] = {k: [] for k in sides}
+        async with aiohttp.ClientSession() as s:
+            async def send(url: str, prompt: str) -> None:
+                async with s.post(f"{url}/v1/completions",
+                                  json=vp.completion(prompt, MAX_TOKENS)) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
+
+            for rep in range(12):
+                for side in (("gateway", "envoy") if rep % 2 else ("envoy", "gateway")):
+                    got, _ = await round_of(lambda p, u=urls[side]: send(u, p),
+                                            vp.prompts(50, seed=rep), 1)
+                    if rep >= 2:                      # the first rounds warm up
+                        lat[side] += got
+        ours, envoy = percentile(lat["gateway"], 50), percentile(lat["envoy"], 50)
+        emit("gateway.picker_added_p50.fast_upstream", (ours - envoy) * 1e3, "ms",
+             f"Envoy alone p50 {envoy * 1e3:.2f} ms", ours / envoy, gateway_ms=ours * 1e3,
+             envoy_ms=envoy * 1e3, requests=len(lat["gateway"]),
+             loadavg_1m=os.getloadavg()[0])
+    finally:
+        for envoy_side in sides.values():
+            envoy_side.stop()
+        picker.terminate()
+        picker.wait(30)
+        await runner.cleanup()
+
+
+async def wait_ready_post(url: str, timeout: float) -> None:
+    """Until a completion through ``url`` is answered (the picker takes a moment to start)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    async with aiohttp.ClientSession() as s:
+        while True:
+            try:
+                async with s.post(f"{url}/v1/completions", json={"prompt": "x"}) as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(f"{url} not answering within {timeout:.0f} s")
+            await asyncio.sleep(0.5)
+
+
 def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="kvb-bench-gateway-"))
+    asyncio.run(picker_alone(work))
     from kvbridge_agent._testmodel import write_test_model
 
     model = write_test_model(work / "model", seed=9)
