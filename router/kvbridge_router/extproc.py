@@ -94,6 +94,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         self.table = table
         self.settings = settings
         self.balancer = Balancer()
+        self._last_refusal = ""
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[ep.ProcessingResponse]:
@@ -134,9 +135,12 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         m.PICK_SECONDS.observe(time.perf_counter() - began)
         if isinstance(decision, NoPick):
             m.PICKS.labels("no_pair", "", "").inc()
-            log.info("no pair for a request: %s", decision.message)
+            if decision.message != self._last_refusal:   # once per reason, not per request
+                log.warning("answering 503: %s", decision.message)
+                self._last_refusal = decision.message
             return _unavailable(decision.status, decision.message), None
         pair = decision.pair
+        self._last_refusal = ""
         self.balancer.start(pair.decode)
         self.balancer.start(pair.prefill)
         m.PICKS.labels("picked", pair.prefill.engine_id, pair.decode.engine_id).inc()
