@@ -241,6 +241,55 @@ def test_service_account_permissions(kube: Kube) -> None:
         _uninstall(kube, RELEASE, NS)
 
 
+def test_gateway_on_a_real_api_server(kube: Kube) -> None:
+    """gateway.enabled with installInferencePoolCRD on a cluster that lacks the CRD: the first
+    install adds the CRD (the pool's API does not exist yet when Helm renders), the upgrade
+    adds the InferencePool, which the API server validates against the CRD; the picker and the
+    decode pods' ServiceAccount may read KVTransfers and KVEndpoints and nothing more; the CRD
+    outlives an uninstall."""
+    serving = "gateway-serving"
+    for ns in (NS, serving):
+        kube.create_namespace(ns)
+    sets = ["--set", "webhook.enabled=false", "--set", f"agent.namespaces={{{serving}}}",
+            "--set", "gateway.enabled=true", "--set", "gateway.transfer=tiny-llama",
+            "--set", f"gateway.namespace={serving}",
+            "--set", "gateway.inferencePool.matchLabels.kvbridge\\.io/role=decode",
+            "--set", "gateway.installInferencePoolCRD=true"]  # fmt: skip
+    try:
+        kube.helm("install", RELEASE, str(CHART), "-n", NS, *sets)
+        assert kube.exists("crd", "inferencepools.inference.networking.k8s.io")
+        assert not kube.exists("inferencepool", "tiny-llama", "-n", serving)
+        kube.helm("upgrade", RELEASE, str(CHART), "-n", NS, "--reuse-values")
+        pool = kube.get("inferencepool", "tiny-llama", "-n", serving)
+        assert pool["spec"]["endpointPickerRef"] == {
+            "group": "", "kind": "Service", "name": "kvbridge-epp", "port": {"number": 9002},
+            "failureMode": "FailClose"}  # fmt: skip
+        assert pool["spec"]["selector"] == {"matchLabels": {"kvbridge.io/role": "decode"}}
+        # The API server holds pools to the CRD's schema.
+        broken = {**pool, "metadata": {"name": "broken", "namespace": serving},
+                  "spec": {**pool["spec"], "targetPorts": []}}  # fmt: skip
+        refused = kube.kubectl("create", "-f", "-", input=json.dumps(broken), check=False)
+        assert refused.returncode != 0 and "targetPorts" in refused.stderr, refused.stderr
+
+        def can(sa: str, verb: str, resource: str) -> bool:
+            return kube.kubectl("auth", "can-i", verb, resource, "-n", serving,
+                                f"--as=system:serviceaccount:{serving}:{sa}",
+                                check=False).stdout.strip() == "yes"  # fmt: skip
+        for sa in ("kvbridge-epp", "kvbridge-agent"):
+            for verb in ("get", "list", "watch"):
+                assert can(sa, verb, "kvendpoints.kvbridge.io"), (sa, verb)
+                assert can(sa, verb, "kvtransfers.kvbridge.io"), (sa, verb)
+        for verb, resource in (("update", "kvtransfers.kvbridge.io"), ("get", "pods"),
+                               ("get", "secrets"), ("list", "inferencepools"),
+                               ("delete", "kvendpoints.kvbridge.io")):  # fmt: skip
+            assert not can("kvbridge-epp", verb, resource), (verb, resource)
+    finally:
+        _uninstall(kube, RELEASE, NS)
+    wait_for(lambda: not kube.exists("inferencepool", "tiny-llama", "-n", serving),
+             what="the InferencePool gone with the release", timeout=60, interval=1)
+    assert kube.exists("crd", "inferencepools.inference.networking.k8s.io"), "CRD not kept"
+
+
 # --- the operator and an agent on the chart's ServiceAccounts --------------------------------
 
 SERVING = "serving"
