@@ -309,12 +309,10 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
     return Stage(cluster, start_pod,
                  operator_metrics=f"{operator.status.pod_ip}:{OPERATOR_METRICS_PORT}",
                  delete_pod=delete_pod,
-                 serve_vllm=lambda: serve_vllm(cluster, images["KVB_IMAGE_VLLM"],
-                                               images["KVB_IMAGE_OPERATOR"],
-                                               binaries.helm))
+                 serve_vllm=lambda: serve_vllm(cluster, images, binaries.helm))
 
 
-def serve_vllm(cluster: kc.LocalCluster, image: str, operator_image: str, helm: Path) -> None:
+def serve_vllm(cluster: kc.LocalCluster, images: dict[str, str], helm: Path) -> None:
     """examples/serving/ as written (the image is the local build): `vllm serve` with
     KVBridgeConnector in one prefill and two decode pods, then a completion in vLLM's P/D flow
     over a pair the operator made and the decode preflighted; then the chart's router in
@@ -327,7 +325,8 @@ def serve_vllm(cluster: kc.LocalCluster, image: str, operator_image: str, helm: 
 
     core = client.CoreV1Api(cluster.api_client())
     custom = client.CustomObjectsApi(cluster.api_client())
-    docs = vp.manifests(image, operator_image)
+    image = images["KVB_IMAGE_VLLM"]
+    docs = vp.manifests(image, images["KVB_IMAGE_OPERATOR"])
     t0 = time.monotonic()
     for stem in ("kvtransfer", "prefill", "decode"):
         cluster.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump(docs[stem]))
@@ -338,8 +337,12 @@ def serve_vllm(cluster: kc.LocalCluster, image: str, operator_image: str, helm: 
         f"{image}) ...")
 
     # The incompatible decode is a variant pod, which serving_pods leaves out.
-    ready = wait_until(lambda: vp.serving_pods(core, NS), timeout=420, interval=2,
-                       what="vLLM pods Ready")
+    try:
+        ready = wait_until(lambda: vp.serving_pods(core, NS), timeout=420, interval=2,
+                           what="vLLM pods Ready")
+    except Exception:
+        say(f"vLLM pods not Ready; their containers:\n{vp.pod_report(core, NS)}")
+        raise
     say(f"vLLM pods Ready {time.monotonic() - t0:.0f} s after apply: "
         f"{', '.join(p.metadata.name for ps in ready.values() for p in ps)}")
 
@@ -360,9 +363,18 @@ def serve_vllm(cluster: kc.LocalCluster, image: str, operator_image: str, helm: 
     say(f"operator paired {decode.metadata.name} with {status['peers'][0]['name']}; the decode "
         f"preflighted it (epoch {shake['epoch']}: {shake['state']})")
     prompt = vp.prompts(1, seed=5)[0]
-    single = vp.complete(prefill.status.pod_ip, prompt, 12)["choices"][0]["token_ids"]
-    before = vp.PullCounters.of(decode.status.pod_ip)
-    result = vp.pd_complete(prefill.status.pod_ip, decode.status.pod_ip, prompt, 12)
+    try:
+        single = vp.complete(prefill.status.pod_ip, prompt, 12)["choices"][0]["token_ids"]
+        before = vp.PullCounters.of(decode.status.pod_ip)
+        result = vp.pd_complete(prefill.status.pod_ip, decode.status.pod_ip, prompt, 12)
+    except vp.EngineError:
+        for pod in (prefill, decode):
+            log = cluster.kubectl("logs", "-n", NS, pod.metadata.name, "-c", "vllm",
+                                  check=False).stdout.splitlines()
+            say(f"{pod.metadata.name} failed; its log:\n" + "\n".join(
+                line for line in log if "GET /health" not in line and "GET /metrics" not in line
+            )[-5000:])
+        raise
     after = vp.PullCounters.of(decode.status.pod_ip)
     say(f"completion served by the pair {prefill.metadata.name} (prefill, "
         f"{result.kv_transfer_params['remote_host']}:{result.kv_transfer_params['remote_port']}) "
@@ -387,6 +399,7 @@ def serve_vllm(cluster: kc.LocalCluster, image: str, operator_image: str, helm: 
         f"{statistics.median(alone) * 1e3:.0f} ms, P/D pair {statistics.median(pd) * 1e3:.0f} "
         "ms (two HTTP calls, a KV pull; CPU engines sharing this machine's cores)")
     show_router(cluster, helm, core, bad)
+    show_gateway(cluster, helm, core, images["KVB_IMAGE_ENVOY"])
 
 
 def show_router(cluster: kc.LocalCluster, helm: Path, core: Any, bad: str) -> None:
@@ -439,6 +452,72 @@ def show_router(cluster: kc.LocalCluster, helm: Path, core: Any, bad: str) -> No
             "kvbridge.io", "v1alpha1", NS, "kvendpoints")["items"]},
         timeout=60, what=f"{bad}'s KVEndpoint gone")
     say(f"removed pod {bad}; KVTransfer {vp.TRANSFER} keeps serving over its verified pairs")
+
+
+def show_gateway(cluster: kc.LocalCluster, helm: Path, core: Any, envoy_image: str) -> None:
+    """The inference-gateway path: the chart's endpoint picker and InferencePool, and an Envoy
+    pod configured as a Gateway controller configures it for the pool, in front of the decode
+    pods' sidecars; each request's answer names the verified pair that served it."""
+    import vllm_pods as vp
+    from kubernetes import client
+    from sim import wait_until
+
+    from kvbridge_testkit.envoy import bootstrap
+
+    pool_values = ["--set", "gateway.enabled=true", "--set", f"gateway.transfer={vp.TRANSFER}",
+                   "--set", f"gateway.namespace={NS}",
+                   "--set", f"gateway.inferencePool.matchLabels.app\\.kubernetes\\.io/name="
+                   f"{vp.TRANSFER}",
+                   "--set", "gateway.inferencePool.matchLabels.kvbridge\\.io/role=decode",
+                   "--set", "gateway.installInferencePoolCRD=true"]  # fmt: skip
+    say(f"helm upgrade --set gateway.enabled=true,gateway.transfer={vp.TRANSFER},"
+        "gateway.installInferencePoolCRD=true ... (twice: the InferencePool's API exists once "
+        "its CRD is installed)")
+    for _ in range(2):
+        subprocess.run(
+            [str(helm), "upgrade", RELEASE, str(REPO / "charts" / "kvbridge"), "--kubeconfig",
+             str(cluster.kubeconfig), "-n", SYS_NS, "--reuse-values", *pool_values, "--wait",
+             "--timeout=180s"], check=True, capture_output=True, text=True, timeout=240)
+    pool = client.CustomObjectsApi(cluster.api_client()).get_namespaced_custom_object(
+        "inference.networking.k8s.io", "v1", NS, "inferencepools", vp.TRANSFER)
+    ref = pool["spec"]["endpointPickerRef"]
+    say(f"InferencePool {vp.TRANSFER}: decode pods {pool['spec']['selector']['matchLabels']} "
+        f"at port {pool['spec']['targetPorts'][0]['number']} (their sidecars), endpoint picker "
+        f"Service {ref['name']}:{ref['port']['number']}, {ref['failureMode']}")
+    picker = core.read_namespaced_service(ref["name"], NS).spec.cluster_ip
+    config = bootstrap(8080, 9901, ref["port"]["number"], listen_host="0.0.0.0",
+                       picker_host=picker)
+    core.create_namespaced_config_map(NS, {"metadata": {"name": "gateway-envoy"},
+                                           "data": {"envoy.json": json.dumps(config)}})
+    core.create_namespaced_pod(NS, {
+        "metadata": {"name": "gateway-envoy", "labels": {"app": "gateway-envoy"}},
+        "spec": {"containers": [{
+            "name": "envoy", "image": envoy_image, "imagePullPolicy": "Never",
+            "args": ["-c", "/etc/envoy/envoy.json", "--concurrency", "1", "--log-level", "warn"],
+            "ports": [{"containerPort": 8080}],
+            "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1},
+            "volumeMounts": [{"name": "config", "mountPath": "/etc/envoy"}]}],
+            "volumes": [{"name": "config", "configMap": {"name": "gateway-envoy"}}]}})
+    envoy = wait_until(lambda: vp.pod_ready(p := core.read_namespaced_pod("gateway-envoy", NS))
+                       and p, timeout=120, interval=1, what="the Envoy pod Ready")
+    gateway = f"http://{envoy.status.pod_ip}:8080"
+    say(f"Envoy 1.40 pod Ready ({gateway}): ext_proc to the picker (full-duplex streamed "
+        "bodies, as the inference extension configures it), then the destination it names")
+    endpoints = client.CustomObjectsApi(cluster.api_client()).list_namespaced_custom_object(
+        "kvbridge.io", "v1alpha1", NS, "kvendpoints")["items"]
+    pods = {e["spec"]["engineId"]: e["spec"]["podName"] for e in endpoints}
+    prefill_ip = vp.role_pods(core, NS, "prefill")[0].status.pod_ip
+    for prompt in vp.prompts(4, seed=61):
+        single = vp.complete(prefill_ip, prompt, 8)["choices"][0]["token_ids"]
+        tokens, pair = wait_until(lambda p=prompt: vp.post_with_header(
+            f"{gateway}/v1/completions", vp.completion(p, 8), "x-kvbridge-pair"), timeout=60,
+            interval=1, what="an answer through the gateway")
+        prefill, decode = pair.split("->")
+        say(f"through the gateway: served by {pods.get(prefill, prefill)} -> "
+            f"{pods.get(decode, decode)}; tokens {'==' if tokens == single else '!='} one "
+            "engine's")
+        if tokens != single:
+            raise RuntimeError("tokens through the gateway differ from one engine's")
 
 
 def setup_simulated(binaries: kc.Binaries, cleanup: list) -> Stage:

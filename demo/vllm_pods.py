@@ -95,6 +95,18 @@ def role_pods(core: Any, ns: str, role: str) -> list[Any]:
                   key=lambda p: p.metadata.name)  # fmt: skip
 
 
+def pod_report(core: Any, ns: str) -> str:
+    """Each pod of ``ns`` with its phase and every container's state: why a pod is not Ready."""
+    lines = []
+    for pod in core.list_namespaced_pod(ns).items:
+        lines.append(f"  {pod.metadata.name} on {pod.spec.node_name}: {pod.status.phase} "
+                     f"{[(c.type, c.status, c.reason) for c in pod.status.conditions or []]}")
+        for c in pod.status.container_statuses or []:
+            state = c.state.waiting or c.state.terminated or c.state.running
+            lines.append(f"    {c.name}: ready={c.ready} restarts={c.restart_count} {state}")
+    return "\n".join(lines)
+
+
 def serving_pods(core: Any, ns: str) -> dict[str, list[Any]] | None:
     """The examples' one prefill and two decode pods by role, once all are Ready; None until
     then (a poll for a fresh apply, or for a deleted pod's replacement)."""
@@ -161,6 +173,19 @@ def pd_complete(prefill_ip: str, decode_ip: str, prompt: str, max_tokens: int) -
     choice = answer["choices"][0]
     return PDResult(choice["token_ids"], choice["text"], params,
                     answer["usage"]["prompt_tokens"])
+
+
+def post_with_header(url: str, body: dict[str, Any], header: str
+                     ) -> tuple[list[int], str] | None:  # fmt: skip
+    """The greedy token ids of a completion and the answer's ``header``; None on an error
+    answer or none at all (for a poll loop)."""
+    request = urllib.request.Request(url, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return json.load(reply)["choices"][0]["token_ids"], reply.headers.get(header, "")
+    except OSError:
+        return None
 
 
 def scrape(ip: str, port: int) -> dict[str, float]:

@@ -1099,7 +1099,9 @@ def test_gateway_example_fits_the_serving_pods() -> None:
     assert sidecar["image"] == picker["image"]
     assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
     assert sidecar["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-    assert sidecar["resources"]["limits"]["memory"]
+    # The same QoS as vLLM's container (none set in this CPU example): a request on the sidecar
+    # alone made the decode pods Burstable, and their CPU weight starved the prefill's engine.
+    assert sidecar.get("resources") == vllm.get("resources") is None
 
     def vllm_port(container: dict[str, Any]) -> int:
         (arg,) = [a for a in container["command"] if a.startswith("--port=")]
