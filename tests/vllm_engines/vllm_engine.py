@@ -211,6 +211,11 @@ class Engine:
                 kv_connector_extra_config=json.loads(args.extra_config),
             )
         self.connector = args.connector
+        # On a CPU with AMX tiles vLLM prefers its AMX MLA backend, which packs only bf16/fp16
+        # weights and refuses the float32 test model: MLA models get the reference CPU MLA
+        # backend these tests are written for, whatever the machine.
+        config = json.loads((Path(args.model) / "config.json").read_text())
+        backend = {"attention_backend": "CPU_MLA"} if "kv_lora_rank" in config else {}
         self.llm = LLM(
             model=str(args.model),
             skip_tokenizer_init=True,
@@ -223,6 +228,7 @@ class Engine:
             seed=0,
             tensor_parallel_size=args.tp_size,
             kv_transfer_config=kv_transfer_config,
+            **backend,
         )
         if args.connector != "none":
             self._on_workers(engine_worker.install_recorder)
