@@ -17,13 +17,12 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from .balance import Balancer, Pair
-from .sidecar import PREFILL_HEADERS, host_port
+from .sidecar import PREFILL_HEADERS, host_port, join_host_port
 from .table import RoutingTable
 
 DESTINATION = "x-gateway-destination-endpoint"
 SUBSET_NAMESPACE, SUBSET_KEY = "envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
-SERVED_KEY = "x-gateway-destination-endpoint-served"
 #: a response header naming the pair that served (prefill->decode engine ids)
 PAIR_HEADER = "x-kvbridge-pair"
 
@@ -52,8 +51,7 @@ class NoPick:
 
 
 def decode_destination(pair: Pair, settings: PickerSettings) -> str:
-    host = pair.decode.host
-    return f"[{host}]:{settings.target_port}" if ":" in host else f"{host}:{settings.target_port}"
+    return join_host_port(pair.decode.host, settings.target_port)
 
 
 def pick(table: RoutingTable, balancer: Balancer, settings: PickerSettings,

@@ -43,10 +43,14 @@ class SidecarSettings:
     without_header: str = "refuse"
 
 
+def join_host_port(host: str, port: int) -> str:
+    """``host:port`` as headers name an endpoint (IPv6 in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def host_port(engine: Engine, default_port: int) -> str:
-    """``host:port`` of an engine's OpenAI server, as headers name it (IPv6 in brackets)."""
-    host = f"[{engine.host}]" if ":" in engine.host else engine.host
-    return f"{host}:{engine.port or default_port}"
+    """``host:port`` of an engine's OpenAI server."""
+    return join_host_port(engine.host, engine.port or default_port)
 
 
 def own_decode(table: RoutingTable, pod_name: str) -> Engine | None:

@@ -18,10 +18,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .cluster import free_port
+from kvbridge_router.picker import DESTINATION as DESTINATION_HEADER
+from kvbridge_router.picker import SUBSET_KEY, SUBSET_NAMESPACE
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-SUBSET_NAMESPACE, SUBSET_KEY = "envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset"
+from .cluster import free_port
 
 
 def envoy_binary() -> Path:
