@@ -20,6 +20,8 @@ from pathlib import Path
 from aiohttp import web
 
 from . import metrics as m
+from .affinity import TrackingSettings
+from .balance import POLICIES, ChooserSettings
 from .proxy import Router, RouterSettings
 from .sidecar import PREFILL_HEADERS, WITHOUT_HEADER, Sidecar, SidecarSettings
 from .watch import TransferWatch
@@ -70,11 +72,82 @@ def _front_door(p: argparse.ArgumentParser) -> None:
                    "408 past it (default %(default)s)")
 
 
+def _choice(p: argparse.ArgumentParser) -> None:
+    chooser, tracking = ChooserSettings(), TrackingSettings()
+    g = p.add_argument_group("pair choice (docs/routing.md)")
+    g.add_argument("--policy", choices=POLICIES, default=chooser.policy,
+                   help="least-load: the least busy decode, then its least busy prefill; "
+                   "cache-aware: the pair with the lowest estimated cost (prefix-cache hits, "
+                   "load, transfer) (default %(default)s)")
+    g.add_argument("--prefill-ms-per-block", type=float, default=chooser.prefill_ms_per_block,
+                   help="cache-aware: what a prefill spends on one block of prompt it does not "
+                   "hold (default %(default)s)")
+    g.add_argument("--queue-ms", type=float, default=chooser.queue_ms,
+                   help="cache-aware: what one request already at a prefill adds "
+                   "(default %(default)s)")
+    g.add_argument("--pull-ms-per-block", type=float, default=chooser.pull_ms_per_block,
+                   help="cache-aware: what a decode spends on one block it must pull, beyond "
+                   "the wire time (default %(default)s)")
+    g.add_argument("--decode-queue-ms", type=float, default=chooser.decode_queue_ms,
+                   help="cache-aware: what one request already at a decode adds "
+                   "(default %(default)s)")
+    g.add_argument("--balance-factor", type=float, default=chooser.balance_factor,
+                   help="cache-aware: no engine above this multiple of its role's mean "
+                   "queue while another is below it (default %(default)s)")
+    g.add_argument("--transport-gbps", default="",
+                   help="cache-aware: throughput per transport for the transfer estimate, "
+                   "e.g. 'tcp=1.2,cma=9' (defaults: tcp 1, shared memory 10, RDMA 20, "
+                   "cuda_ipc 100)")
+    g.add_argument("--kv-events-port", type=int, default=tracking.kv_events_port,
+                   help="cache-aware: the port of the engines' KV-event publishers "
+                   "(vLLM --kv-events-config): precise tracking; 0: approximate, from the "
+                   "prompts' text (default %(default)s)")
+    g.add_argument("--load-interval-seconds", type=float, default=tracking.load_interval_s,
+                   help="cache-aware: how often each engine's /metrics is read "
+                   "(default %(default)s)")
+    g.add_argument("--chars-per-token", type=float, default=tracking.chars_per_token,
+                   help="cache-aware, approximate: characters of prompt text per token "
+                   "(default %(default)s)")
+
+
+def _gbps(text: str, p: argparse.ArgumentParser) -> dict[str, float]:
+    out = dict(ChooserSettings().transport_gbps)
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        name, _, value = item.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            p.error(f"--transport-gbps: expected NAME=GBPS[,NAME=GBPS...], got {item!r}")
+        if out[name.strip()] <= 0:
+            p.error(f"--transport-gbps: {name.strip()}: expected a rate > 0, got {value}")
+    return out
+
+
+def _choice_settings(args: argparse.Namespace, p: argparse.ArgumentParser
+                     ) -> tuple[ChooserSettings, TrackingSettings]:  # fmt: skip
+    try:
+        chooser = ChooserSettings(
+            args.policy, args.prefill_ms_per_block, args.queue_ms, args.pull_ms_per_block,
+            args.decode_queue_ms, args.balance_factor, _gbps(args.transport_gbps, p))
+    except ValueError as exc:
+        p.error(f"--{str(exc).replace('_', '-')}")
+    if args.load_interval_seconds <= 0:
+        p.error(f"--load-interval-seconds: expected > 0, got {args.load_interval_seconds}")
+    if args.chars_per_token <= 0:
+        p.error(f"--chars-per-token: expected > 0, got {args.chars_per_token}")
+    if not 0 <= args.kv_events_port <= 65535:
+        p.error(f"--kv-events-port: expected 0 to 65535, got {args.kv_events_port}")
+    return chooser, TrackingSettings(args.kv_events_port, args.load_interval_seconds,
+                                     args.chars_per_token)  # fmt: skip
+
+
 def _settings(args: argparse.Namespace) -> RouterSettings:
     return RouterSettings(engine_port=args.engine_port, lease_s=args.lease_seconds,
                           lease_margin_s=args.lease_margin_seconds,
                           header_timeout_s=args.header_timeout_seconds,
-                          body_timeout_s=args.body_timeout_seconds)
+                          body_timeout_s=args.body_timeout_seconds,
+                          **({"chooser": args.chooser, "tracking": args.tracking}
+                             if args.mode == "router" else {}))  # fmt: skip
 
 
 def _prefill_headers(p: argparse.ArgumentParser, verb: str) -> None:
@@ -99,6 +172,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                        help="the InferencePool's target port on decode pods, where their "
                        "sidecar listens (default %(default)s)")
         _prefill_headers(p, "that name")
+        _choice(p)
     elif mode == "sidecar":
         p = argparse.ArgumentParser(
             prog="kvbridge-router sidecar",
@@ -125,8 +199,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         _common(p, 8080)
         _lease(p)
         _front_door(p)
+        _choice(p)
     args = p.parse_args(argv)
     args.mode = mode
+    if mode != "sidecar":
+        args.chooser, args.tracking = _choice_settings(args, p)
     if mode != "epp" and args.lease_margin_seconds >= args.lease_seconds:
         p.error(f"--lease-margin-seconds: expected less than --lease-seconds "
                 f"({args.lease_seconds:g}), got {args.lease_margin_seconds:g}")
@@ -185,7 +262,8 @@ async def _serve_picker(args: argparse.Namespace, watch: TransferWatch) -> None:
 
     picker = EndpointPicker(lambda: watch.table, PickerSettings(
         target_port=args.target_port, engine_port=args.engine_port,
-        prefill_headers=args.prefill_headers))
+        prefill_headers=args.prefill_headers), args.chooser, args.tracking)
+    await picker.start()
     # /metrics and /health over HTTP, as the router serves them.
     status = Router(lambda: watch.table, RouterSettings(engine_port=args.engine_port))
     runner = await _serve_http(status.status_app(), args.host, args.metrics_port)
@@ -200,6 +278,7 @@ async def _serve_picker(args: argparse.Namespace, watch: TransferWatch) -> None:
     await asyncio.wait({grpc_task, signalled}, return_when=asyncio.FIRST_COMPLETED)
     stop.set()
     await grpc_task
+    await picker.close()
     await runner.cleanup()
 
 

@@ -1,19 +1,49 @@
 """Choosing a pair, the one place that decides "which pair" for every front (the router, the
-endpoint picker, the decode sidecar): the decode engine with the fewest outstanding requests,
-then the one of its verified prefills with the fewest. Pure; the callers own the counts'
-updates and the table.
+endpoint picker, the decode sidecar). Pure; the callers own the counts' updates, the table,
+the prefix index and the engines' reported loads.
 
-Ties go round-robin (by a rotating offset), so idle engines share the first requests
-instead of the alphabetically first one taking them all.
+Two policies (``ChooserSettings.policy``):
+
+- ``least-load``: the decode engine with the fewest outstanding requests, then the one of its
+  verified prefills with the fewest.
+- ``cache-aware``: every verified pair gets an estimated cost in milliseconds, and the
+  cheapest wins::
+
+      cost = (prompt blocks - blocks the prefill holds) * prefill_ms_per_block
+           + (blocks the decode lacks) * (pull_ms_per_block
+                                          + block bytes / the pair's transport throughput)
+           + queue at the prefill * queue_ms + queue at the decode * decode_queue_ms
+
+  where an engine's queue is the larger of the requests this front has in flight there and
+  the running plus waiting requests the engine itself reports (its ``/metrics``: other
+  fronts' requests count too). A balance guard comes first: an engine whose queue, with this
+  request added, would exceed ``balance_factor`` times its role's mean is left out while
+  another engine of that role is eligible, so a hot prefix cannot pile every request on one
+  engine. A request without a prompt (nothing to match) is scored on load and transfer only.
+  A prefill's queue weighs more than a decode's: prompts are computed one batch after
+  another, while a decode adds a new request to the batch it is already running.
+
+Ties go round-robin (by a rotating offset), so idle engines share the first requests instead
+of the alphabetically first one taking them all.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
+from .prefix import BlockKey, PrefixIndex
 from .table import Engine, RoutingTable
+
+POLICIES = ("least-load", "cache-aware")
+#: GB/s a pair's KV moves at, by UCX transport family, where nothing was measured: the order
+#: of magnitude each reaches on current hardware (shared memory and RDMA an order above TCP).
+DEFAULT_GBPS: Mapping[str, float] = {
+    "tcp": 1.0, "cma": 10.0, "posix": 10.0, "sysv": 10.0, "xpmem": 10.0, "knem": 10.0,
+    "rc": 20.0, "dc": 20.0, "ud": 20.0, "ib": 20.0, "cuda_ipc": 100.0, "gdr_copy": 20.0,
+}  # fmt: skip
+UNKNOWN_GBPS = 1.0
 
 
 @dataclass(frozen=True)
@@ -26,22 +56,119 @@ class Pair:
         return f"{self.prefill.engine_id}->{self.decode.engine_id}"
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """What the chooser knows of one request's prompt."""
+
+    #: the keys of its full blocks (prefix.py), in order
+    keys: tuple[BlockKey, ...]
+    #: the blocks it fills, a partial last one included: what a decode holding none pulls
+    blocks: int
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What an engine reports of itself (vLLM's ``/metrics``)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+
+@dataclass(frozen=True)
+class ChooserSettings:
+    policy: str = "least-load"
+    #: what computing one block of prompt costs a prefill (ms)
+    prefill_ms_per_block: float = 1.0
+    #: what one request already at a prefill adds to a new one's wait (ms)
+    queue_ms: float = 10.0
+    #: what one block a decode lacks costs it beyond the wire time: descriptors, the
+    #: transfer's set-up and completion, the engine's step around it (ms)
+    pull_ms_per_block: float = 0.1
+    #: what one request already at a decode adds to a new one's first token (ms)
+    decode_queue_ms: float = 2.0
+    #: no engine's queue above this multiple of its role's mean (with the new request)
+    balance_factor: float = 1.5
+    #: throughput by transport family (GB/s) for the transfer estimate
+    transport_gbps: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_GBPS))
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, "
+                             f"got {self.policy!r}")  # fmt: skip
+        for name in ("prefill_ms_per_block", "queue_ms", "pull_ms_per_block", "decode_queue_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected a number >= 0, got {getattr(self, name)}")
+        if self.balance_factor < 1:
+            raise ValueError(f"balance_factor: expected a number >= 1, "
+                             f"got {self.balance_factor}")  # fmt: skip
+
+    def gbps(self, transport: str) -> float:
+        """The slowest of a pair's transports (``cma+tcp``: tcp), by family (``rc_mlx5``:
+        rc); unknown or unstated ones count as TCP."""
+        rates = []
+        for name in (transport or "").split("+"):
+            family = name.split("_mlx")[0].split("/")[0].strip()
+            rate = self.transport_gbps.get(name) or self.transport_gbps.get(family)
+            rates.append(rate if rate else UNKNOWN_GBPS)
+        return min(rates) if rates else UNKNOWN_GBPS
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The chosen pair and the parts of its score (all zero under least-load)."""
+
+    pair: Pair
+    policy: str
+    prompt_blocks: int = 0
+    prefill_hit_blocks: int = 0
+    decode_hit_blocks: int = 0
+    pull_bytes: int = 0
+    transfer_ms: float = 0.0
+    queue: int = 0
+    cost_ms: float = 0.0
+
+    def describe(self) -> str:
+        return (f"pair {self.pair.label} ({self.policy}): cost {self.cost_ms:.1f} ms, prompt "
+                f"{self.prompt_blocks} blocks, held by prefill {self.prefill_hit_blocks} and "
+                f"decode {self.decode_hit_blocks}, pull {self.pull_bytes} B "
+                f"({self.transfer_ms:.2f} ms), queue {self.queue}")  # fmt: skip
+
+
 @dataclass
 class Balancer:
     """Outstanding requests per engine id, and the choice of the next pair."""
 
+    settings: ChooserSettings = field(default_factory=ChooserSettings)
+    #: what each engine's prefix cache holds (cache-aware)
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+    #: what each engine reports of its load, by engine id (cache-aware)
+    loads: dict[str, EngineLoad] = field(default_factory=dict)
     outstanding: Counter[str] = field(default_factory=Counter)
     _turn: int = 0
 
     def pick(self, table: RoutingTable, avoid: Collection[tuple[str, str]] = (),
-             decodes: Collection[str] | None = None) -> Pair | None:
-        """The least-loaded decode with a verified prefill not in ``avoid`` ((decode id,
-        prefill id) pairs that already failed this request), then its least-loaded prefill;
-        None when no pair is left. ``decodes`` (engine ids) narrows the decodes to choose
-        from: the gateway's subset hint, or the sidecar's own engine."""
+             decodes: Collection[str] | None = None, prompt: Prompt | None = None
+             ) -> Pair | None:  # fmt: skip
+        decision = self.decide(table, avoid, decodes, prompt)
+        return decision.pair if decision is not None else None
+
+    def decide(self, table: RoutingTable, avoid: Collection[tuple[str, str]] = (),
+               decodes: Collection[str] | None = None, prompt: Prompt | None = None
+               ) -> Decision | None:  # fmt: skip
+        """The pair for one request, None when no pair is left. ``avoid``: (decode id,
+        prefill id) pairs that already failed this request; ``decodes`` (engine ids) narrows
+        the decodes to choose from: the gateway's subset hint, or the sidecar's own engine;
+        ``prompt``: the request's blocks, for the cache-aware policy."""
         self._turn += 1
         candidates = [d for d in table.decodes()
                       if decodes is None or d.engine_id in decodes]  # fmt: skip
+        if self.settings.policy == "cache-aware":
+            return self._cheapest(table, candidates, avoid, prompt)
+        return self._least_loaded(table, candidates, avoid)
+
+    def _least_loaded(self, table: RoutingTable, candidates: list[Engine],
+                      avoid: Collection[tuple[str, str]]) -> Decision | None:  # fmt: skip
         order = sorted(range(len(candidates)), key=lambda i: (
             self.outstanding[candidates[i].engine_id], (i - self._turn) % len(candidates)))
         for i in order:
@@ -51,8 +178,58 @@ class Balancer:
             if prefills:
                 best = min(range(len(prefills)), key=lambda j: (
                     self.outstanding[prefills[j].engine_id], (j - self._turn) % len(prefills)))
-                return Pair(decode, prefills[best])
+                return Decision(Pair(decode, prefills[best]), "least-load")
         return None
+
+    def queue(self, engine: Engine) -> int:
+        """Requests ahead of a new one at ``engine``."""
+        reported = self.loads.get(engine.engine_id)
+        own = self.outstanding[engine.engine_id]
+        return max(own, reported.running + reported.waiting) if reported else own
+
+    def _cheapest(self, table: RoutingTable, candidates: list[Engine],
+                  avoid: Collection[tuple[str, str]], prompt: Prompt | None
+                  ) -> Decision | None:  # fmt: skip
+        pairs = [Pair(d, p) for d in candidates for p in table.prefills_of(d.engine_id)
+                 if (d.engine_id, p.engine_id) not in avoid]  # fmt: skip
+        if not pairs:
+            return None
+        queues = {e.engine_id: self.queue(e)
+                  for pair in pairs for e in (pair.decode, pair.prefill)}  # fmt: skip
+        eligible = [p for p in pairs if self._within_guard(p, pairs, queues)] or pairs
+        scored = [self._score(table, pair, prompt, queues) for pair in eligible]
+        offset = self._turn % len(scored)
+        best = min(range(len(scored)),
+                   key=lambda i: (scored[i].cost_ms, (i - offset) % len(scored)))  # fmt: skip
+        return scored[best]
+
+    def _within_guard(self, pair: Pair, pairs: list[Pair], queues: Mapping[str, int]) -> bool:
+        """Both engines of ``pair`` stay within ``balance_factor`` of their role's mean queue
+        once this request joins them (an idle engine always does)."""
+        for engine, role in ((pair.decode, "decode"), (pair.prefill, "prefill")):
+            peers = {(p.decode if role == "decode" else p.prefill).engine_id for p in pairs}
+            load = queues[engine.engine_id]
+            mean = (sum(queues[e] for e in peers) + 1) / len(peers)
+            if load > 0 and load + 1 > self.settings.balance_factor * mean:
+                return False
+        return True
+
+    def _score(self, table: RoutingTable, pair: Pair, prompt: Prompt | None,
+               queues: Mapping[str, int]) -> Decision:  # fmt: skip
+        s = self.settings
+        keys = prompt.keys if prompt else ()
+        blocks = prompt.blocks if prompt else 0
+        prefill_hit = self.index.held(pair.prefill.engine_id, keys)
+        decode_hit = self.index.held(pair.decode.engine_id, keys)
+        pull_blocks = max(blocks - decode_hit, 0)
+        pull_bytes = pull_blocks * pair.decode.block_bytes
+        gbps = s.gbps(table.transport(pair.decode.engine_id, pair.prefill.engine_id))
+        transfer_ms = pull_bytes / (gbps * 1e6) + pull_blocks * s.pull_ms_per_block
+        queue_p, queue_d = queues[pair.prefill.engine_id], queues[pair.decode.engine_id]
+        cost = ((len(keys) - prefill_hit) * s.prefill_ms_per_block + transfer_ms
+                + queue_p * s.queue_ms + queue_d * s.decode_queue_ms)  # fmt: skip
+        return Decision(pair, "cache-aware", blocks, prefill_hit, decode_hit, pull_bytes,
+                        transfer_ms, queue_p + queue_d, cost)  # fmt: skip
 
     def start(self, engine: Engine) -> None:
         self.outstanding[engine.engine_id] += 1

@@ -2,13 +2,16 @@
 inference gateway's Envoy opens it for an InferencePool.
 
 Processing mode (what the inference extension configures): request headers SEND, request
-body and response body FULL_DUPLEX_STREAMED, response headers SEND, trailers SEND. The pick
-needs only the request headers (and their metadata: the subset hint), so it is answered at
-once and the body is never buffered: every body chunk goes straight back to Envoy, in
-order, with its end-of-stream flag, which keeps the picker off the time to first token and
-streams SSE answers chunk by chunk. The response headers get ``x-kvbridge-pair`` (the pair
-that served). The engines the stream named count as busy (for the least-load choice) until
-the response ends or the stream closes.
+body and response body FULL_DUPLEX_STREAMED, response headers SEND, trailers SEND. Under the
+least-load policy the pick needs only the request headers (and their metadata: the subset
+hint), so it is answered at once and the body is never buffered: every body chunk goes
+straight back to Envoy, in order, with its end-of-stream flag, which keeps the picker off the
+time to first token and streams SSE answers chunk by chunk. The cache-aware policy needs the
+prompt: the request body is held until its end (up to ``MAX_HELD_BODY``; past it the pick is
+made on load alone), then the headers are answered and the body returned in chunks, as the
+inference extension's own picker does. Response bodies always stream. The response headers
+get ``x-kvbridge-pair`` (the pair that served). The engines the stream named count as busy
+(for the choice) until the response ends or the stream closes.
 
 gRPC health: ``liveness`` always SERVING; ``readiness`` and the ext_proc service SERVING once
 the KVTransfer and its KVEndpoints are listed (a pool with no verified pair is still ready:
@@ -24,6 +27,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+import aiohttp
 import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -33,7 +37,8 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from . import metrics as m
-from .balance import Balancer, Pair
+from .affinity import CacheTracker, TrackingSettings
+from .balance import Balancer, ChooserSettings, Pair, Prompt
 from .picker import (
     LB_NAMESPACE,
     PAIR_HEADER,
@@ -49,6 +54,10 @@ log = logging.getLogger("kvbridge.picker")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+#: the most request body the cache-aware pick holds back to read the prompt
+MAX_HELD_BODY = 16 * 2**20
+#: body chunks handed back to Envoy after a held body (the inference extension's size)
+BODY_CHUNK = 62_000
 
 
 def _set_headers(headers: tuple[tuple[str, str], ...] | list[tuple[str, str]]
@@ -60,9 +69,19 @@ def _set_headers(headers: tuple[tuple[str, str], ...] | list[tuple[str, str]]
 
 def _echo(body: ep.HttpBody) -> ep.BodyResponse:
     """A body chunk handed back unchanged (full-duplex streaming returns every chunk)."""
+    return _chunk(body.body, body.end_of_stream)
+
+
+def _chunk(data: bytes, end_of_stream: bool) -> ep.BodyResponse:
     return ep.BodyResponse(response=ep.CommonResponse(body_mutation=ep.BodyMutation(
-        streamed_response=ep.StreamedBodyResponse(body=body.body,
-                                                  end_of_stream=body.end_of_stream))))
+        streamed_response=ep.StreamedBodyResponse(body=data, end_of_stream=end_of_stream))))
+
+
+def _held_body(data: bytes, end_of_stream: bool) -> list[ep.ProcessingResponse]:
+    """A held request body handed back in chunks, the last one with its end-of-stream flag."""
+    parts = [data[i:i + BODY_CHUNK] for i in range(0, len(data), BODY_CHUNK)] or [b""]
+    return [ep.ProcessingResponse(request_body=_chunk(part, end_of_stream and i == len(parts) - 1))
+            for i, part in enumerate(parts)]
 
 
 def subset_hint(request: ep.ProcessingRequest) -> list[str] | None:
@@ -88,26 +107,66 @@ def _unavailable(status: int, message: str) -> ep.ProcessingResponse:
 
 
 class EndpointPicker(ep_grpc.ExternalProcessorServicer):
-    """ext_proc ``Process``: pick on the request headers, pass bodies through."""
+    """ext_proc ``Process``: pick on the request headers (cache-aware: on the whole request
+    body), pass bodies through."""
 
-    def __init__(self, table: Callable[[], RoutingTable], settings: PickerSettings) -> None:
+    def __init__(self, table: Callable[[], RoutingTable], settings: PickerSettings,
+                 chooser: ChooserSettings | None = None,
+                 tracking: TrackingSettings | None = None) -> None:  # fmt: skip
         self.table = table
         self.settings = settings
-        self.balancer = Balancer()
+        self.balancer = Balancer(chooser or ChooserSettings())
+        self.tracker = (CacheTracker(self.balancer, tracking or TrackingSettings(), table,
+                                     settings.engine_port)
+                        if self.balancer.settings.policy == "cache-aware" else None)  # fmt: skip
+        self.session: aiohttp.ClientSession | None = None
+        self._stop = asyncio.Event()
+        self._tracking: asyncio.Task[None] | None = None
         self._last_refusal = ""
+
+    async def start(self) -> None:
+        """Start following the engines' caches and loads (cache-aware only)."""
+        if self.tracker is not None:
+            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._tracking = asyncio.create_task(self.tracker.run(self.session, self._stop))
+
+    async def close(self) -> None:
+        if self._tracking is not None:
+            self._stop.set()
+            await asyncio.gather(self._tracking, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[ep.ProcessingResponse]:
         busy: Pair | None = None
+        held: ep.ProcessingRequest | None = None   # request headers waiting for the body
+        body = bytearray()
         m.PICKER_STREAMS.inc()
         try:
             async for request in request_iterator:
                 kind = request.WhichOneof("request")
                 if kind == "request_headers":
-                    response, busy = self._on_headers(request)
+                    if self.tracker is not None and not request.request_headers.end_of_stream:
+                        held = request
+                        continue
+                    response, busy = self._on_headers(request, None)
                     yield response
                     if busy is None:
                         return
+                elif kind == "request_body" and held is not None:
+                    body += request.request_body.body
+                    end = request.request_body.end_of_stream
+                    if not end and len(body) <= MAX_HELD_BODY:
+                        continue
+                    response, busy = self._on_headers(held, await self._prompt(body, end))
+                    held = None
+                    yield response
+                    if busy is None:
+                        return
+                    for part in _held_body(bytes(body), end):
+                        yield part
+                    body.clear()
                 elif kind == "request_body":
                     yield ep.ProcessingResponse(request_body=_echo(request.request_body))
                 elif kind == "response_headers":
@@ -120,6 +179,14 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                         self._release(busy)
                         busy = None
                 elif kind == "request_trailers":
+                    if held is not None:   # the body ended with trailers, not a flag
+                        response, busy = self._on_headers(held, await self._prompt(body, True))
+                        held = None
+                        yield response
+                        if busy is None:
+                            return
+                        for part in _held_body(bytes(body), False):
+                            yield part
                     yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
                 elif kind == "response_trailers":
                     yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
@@ -128,10 +195,23 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             if busy is not None:
                 self._release(busy)
 
-    def _on_headers(self, request: ep.ProcessingRequest
+    async def _prompt(self, body: bytes | bytearray, complete: bool) -> Prompt | None:
+        """The held body's prompt; None when it is incomplete (too large) or not JSON."""
+        if not complete or self.tracker is None or self.session is None:
+            return None
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(parsed, dict):
+            return None
+        return await self.tracker.prompt(self.session, parsed, self.table())
+
+    def _on_headers(self, request: ep.ProcessingRequest, prompt: Prompt | None
                     ) -> tuple[ep.ProcessingResponse, Pair | None]:  # fmt: skip
         began = time.perf_counter()
-        decision = pick(self.table(), self.balancer, self.settings, subset_hint(request))
+        decision = pick(self.table(), self.balancer, self.settings, subset_hint(request),
+                        prompt)  # fmt: skip
         m.PICK_SECONDS.observe(time.perf_counter() - began)
         if isinstance(decision, NoPick):
             m.PICKS.labels("no_pair", "", "").inc()
@@ -140,6 +220,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 self._last_refusal = decision.message
             return _unavailable(decision.status, decision.message), None
         pair = decision.pair
+        if self.tracker is not None:
+            self.tracker.chosen(decision.decision, prompt)
         self._last_refusal = ""
         self.balancer.start(pair.decode)
         self.balancer.start(pair.prefill)

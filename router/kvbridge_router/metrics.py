@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from .balance import Decision
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -67,3 +72,40 @@ PICK_SECONDS = Histogram(
 PICKER_STREAMS = Gauge(
     "kvbridge_picker_streams", "ext_proc streams (requests) the gateway has open now",
     registry=REGISTRY)
+
+# The pair chooser (balance.py), in every front that chooses: each decision's parts.
+BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+PICK_PROMPT_BLOCKS = Histogram(
+    "kvbridge_router_pick_prompt_blocks", "KV blocks of each chosen request's prompt",
+    ["policy"], buckets=BLOCK_BUCKETS, registry=REGISTRY)
+PICK_HIT_BLOCKS = Histogram(
+    "kvbridge_router_pick_cache_hit_blocks", "Leading prompt blocks the chosen engine held in "
+    "its prefix cache, by role (prefill: not computed; decode: not pulled); the hit rate is "
+    "this histogram's sum over the prompt blocks' sum", ["policy", "role"],
+    buckets=BLOCK_BUCKETS, registry=REGISTRY)
+PICK_TRANSFER_SECONDS = Histogram(
+    "kvbridge_router_pick_transfer_estimate_seconds", "The chosen pair's estimated KV pull "
+    "time (bytes the decode lacks over its transport's throughput)", ["policy"],
+    buckets=(0.00001, 0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1), registry=REGISTRY)
+PICK_QUEUE = Histogram(
+    "kvbridge_router_pick_queue", "Requests ahead at the chosen prefill and decode together",
+    ["policy"], buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128), registry=REGISTRY)
+TOKENIZE_FAILURES = Counter(
+    "kvbridge_router_tokenize_failures", "Prompts the engines' /tokenize did not turn into "
+    "token ids (precise cache tracking): chosen on load alone", registry=REGISTRY)
+KV_EVENT_BLOCKS = Counter(
+    "kvbridge_router_kv_event_blocks", "Blocks in the engines' KV events, by what the index "
+    "did (stored, removed; orphaned: stored under a parent it never saw, not indexed)",
+    ["action"], registry=REGISTRY)
+KV_EVENT_ERRORS = Counter(
+    "kvbridge_router_kv_event_errors", "KV event batches that made the index forget an "
+    "engine's blocks (malformed; gap: a missed sequence number)", ["kind"], registry=REGISTRY)
+
+
+def observe_decision(decision: Decision) -> None:
+    policy = decision.policy
+    PICK_PROMPT_BLOCKS.labels(policy).observe(decision.prompt_blocks)
+    PICK_HIT_BLOCKS.labels(policy, "prefill").observe(decision.prefill_hit_blocks)
+    PICK_HIT_BLOCKS.labels(policy, "decode").observe(decision.decode_hit_blocks)
+    PICK_TRANSFER_SECONDS.labels(policy).observe(decision.transfer_ms / 1000)
+    PICK_QUEUE.labels(policy).observe(decision.queue)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from .balance import Balancer, Pair
+from .balance import Balancer, Decision, Pair, Prompt
 from .sidecar import PREFILL_HEADERS, host_port, join_host_port
 from .table import RoutingTable
 
@@ -38,10 +38,14 @@ class PickerSettings:
 
 @dataclass(frozen=True)
 class Pick:
-    pair: Pair
+    decision: Decision
     destination: str
     #: request headers to set: the destination and the prefill for the sidecar
     headers: tuple[tuple[str, str], ...]
+
+    @property
+    def pair(self) -> Pair:
+        return self.decision.pair
 
 
 @dataclass(frozen=True)
@@ -55,9 +59,11 @@ def decode_destination(pair: Pair, settings: PickerSettings) -> str:
 
 
 def pick(table: RoutingTable, balancer: Balancer, settings: PickerSettings,
-         subset: Collection[str] | None = None) -> Pick | NoPick:  # fmt: skip
+         subset: Collection[str] | None = None, prompt: Prompt | None = None
+         ) -> Pick | NoPick:  # fmt: skip
     """The pair for one request, or why there is none (503). ``subset``: the gateway's hint,
-    the only destinations allowed (None: the whole pool)."""
+    the only destinations allowed (None: the whole pool); ``prompt``: the request's blocks
+    (the cache-aware policy reads the body for them)."""
     if not table.pairs:
         return NoPick(503, f"no verified prefill/decode pair: {table.reason}")
     allowed = None
@@ -69,11 +75,12 @@ def pick(table: RoutingTable, balancer: Balancer, settings: PickerSettings,
             shown = ", ".join(sorted(subset)[:8]) or "empty"
             return NoPick(503, f"no decode of a verified pair is in the gateway's endpoint "
                           f"subset ({shown})")
-    pair = balancer.pick(table, decodes=allowed)
-    if pair is None:  # a table with pairs always yields one; kept for the type
+    decision = balancer.decide(table, decodes=allowed, prompt=prompt)
+    if decision is None:  # a table with pairs always yields one; kept for the type
         return NoPick(503, "no verified prefill/decode pair")
+    pair = decision.pair
     destination = decode_destination(pair, settings)
     prefill = host_port(pair.prefill, settings.engine_port)
     headers = ((DESTINATION, destination),
                *((name, prefill) for name in settings.prefill_headers))  # fmt: skip
-    return Pick(pair, destination, headers)
+    return Pick(decision, destination, headers)

@@ -32,7 +32,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -42,7 +42,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import logfilter, sse, tally
 from . import metrics as m
-from .balance import Balancer, Pair
+from .affinity import CacheTracker, TrackingSettings
+from .balance import Balancer, ChooserSettings, Pair, Prompt
 from .batching import Plan, StreamMerge, merge_answers, plan
 from .client_errors import error_body, prefill_rejection
 from .flow import (
@@ -92,6 +93,10 @@ class RouterSettings:
     header_timeout_s: float = 15.0
     #: P/D requests one request may fan out into (batched prompts × n, batching.py)
     max_fanout: int = 256
+    #: which pair: the policy and its weights (balance.py)
+    chooser: ChooserSettings = field(default_factory=ChooserSettings)
+    #: how the cache-aware policy learns what engines hold and how busy they are (affinity.py)
+    tracking: TrackingSettings = field(default_factory=TrackingSettings)
 
 
 class Refusal(Exception):
@@ -201,7 +206,11 @@ class Router:
     def __init__(self, table: TableSource, settings: RouterSettings) -> None:
         self.table = table
         self.settings = settings
-        self.balancer = Balancer()
+        self.balancer = Balancer(settings.chooser)
+        self.tracker = (CacheTracker(self.balancer, settings.tracking, table, settings.engine_port)
+                        if settings.chooser.policy == "cache-aware" else None)  # fmt: skip
+        self._tracking: asyncio.Task[None] | None = None
+        self._stop_tracking = asyncio.Event()
         self.session: aiohttp.ClientSession | None = None
         self._outstanding: dict[tuple[str, str], Any] = {}  # gauge children, looked up once
 
@@ -235,8 +244,14 @@ class Router:
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
             connector=aiohttp.TCPConnector(limit=0))
+        if self.tracker is not None:
+            self._tracking = asyncio.create_task(self.tracker.run(self.session,
+                                                                  self._stop_tracking))
 
     async def _close(self, _app: web.Application) -> None:
+        if self._tracking is not None:
+            self._stop_tracking.set()
+            await asyncio.gather(self._tracking, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
 
@@ -338,10 +353,11 @@ class Router:
         avoid: set[tuple[str, str]] = set()
         failures: list[str] = []
         attempts = reprefills = 0
+        prompt = await self._prompt(body)
         while True:
             table = self.table()
             try:
-                pair = self.choose(request, table, avoid)
+                pair = self.choose(request, table, avoid, prompt)
             except Refusal as exc:
                 return Answer.error(exc.status, str(exc), exc.kind, "rejected")
             if pair is None:
@@ -368,11 +384,23 @@ class Router:
                                         pair)  # fmt: skip
                 m.RETRIES.labels(exc.stage).inc()
 
+    async def _prompt(self, body: dict[str, Any]) -> Prompt | None:
+        """The request's prompt as blocks, for the cache-aware policy (None under least-load)."""
+        if self.tracker is None or self.session is None:
+            return None
+        return await self.tracker.prompt(self.session, body, self.table())
+
     def choose(self, request: web.Request, table: RoutingTable,
-               avoid: Collection[tuple[str, str]]) -> Pair | None:
+               avoid: Collection[tuple[str, str]], prompt: Prompt | None = None
+               ) -> Pair | None:  # fmt: skip
         """The pair for the next attempt (balance.py); None when no pair is left. Fronts
         that take the pair from the request (the sidecar) override this."""
-        return self.balancer.pick(table, avoid)
+        decision = self.balancer.decide(table, avoid, prompt=prompt)
+        if decision is None:
+            return None
+        if self.tracker is not None:
+            self.tracker.chosen(decision, prompt)
+        return decision.pair
 
     async def _attempt(self, path: str, body: dict[str, Any], pair: Pair) -> Upstream:
         self._start(pair.decode)    # from the pick on: concurrent picks see it taken

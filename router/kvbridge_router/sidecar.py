@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from . import metrics as m
-from .balance import Pair
+from .balance import Pair, Prompt
 from .proxy import Refusal, Router, RouterSettings, UpstreamError, error_response
 from .table import Engine, RoutingTable
 
@@ -119,7 +119,8 @@ class Sidecar(Router):
         return None
 
     def choose(self, request: web.Request, table: RoutingTable,
-               avoid: Collection[tuple[str, str]]) -> Pair | None:
+               avoid: Collection[tuple[str, str]], prompt: Prompt | None = None
+               ) -> Pair | None:  # fmt: skip
         decode = self._decode_of(table)
         named = self._named(request)
         if named is None:

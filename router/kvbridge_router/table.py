@@ -32,6 +32,12 @@ class Engine:
     pods: tuple[str, ...]
     #: its OpenAI port (``spec.servingPort``); 0: the router's --engine-port
     port: int = 0
+    #: tokens per KV block (``spec.geometry.blockSize``); 0: not stated
+    block_size: int = 0
+    #: KV bytes of one block over all ranks and regions (what a decode pulls per block)
+    block_bytes: int = 0
+    #: KV blocks the engine holds (``spec.geometry.numBlocks``, its first rank's)
+    num_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,8 @@ class RoutingTable:
     pairs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     engines: Mapping[str, Engine] = field(default_factory=dict)
     reason: str = ""
+    #: the UCX transport(s) each verified (decode, prefill) pair's handshakes report
+    transports: Mapping[tuple[str, str], str] = field(default_factory=dict)
 
     def decodes(self) -> list[Engine]:
         return [self.engines[d] for d in self.pairs]
@@ -50,6 +58,9 @@ class RoutingTable:
 
     def pair_count(self) -> int:
         return sum(len(p) for p in self.pairs.values())
+
+    def transport(self, decode_id: str, prefill_id: str) -> str:
+        return self.transports.get((decode_id, prefill_id), "")
 
 
 def _live(doc: Mapping[str, Any], transfer: str) -> bool:
@@ -83,16 +94,46 @@ def routing_table(transfer_name: str, transfer: Mapping[str, Any] | None,
         if ok:
             pairs[eid] = ok
     if pairs:
-        return RoutingTable(pairs, engines)
+        return RoutingTable(pairs, engines, transports=_transports(pairs, ranks, by_name))
     return RoutingTable({}, engines, _why_none(transfer_name, engines, ranks))
 
 
 def _engine(engine_id: str, ranks: list[Mapping[str, Any]]) -> Engine:
     first = min(ranks, key=lambda r: r["spec"].get("tpRank", 0))
     spec = first["spec"]
+    geometry = spec.get("geometry") or {}
     return Engine(engine_id, spec["role"], spec["sideChannel"]["host"],
                   tuple(sorted(r["spec"].get("podName", r["metadata"]["name"]) for r in ranks)),
-                  int(spec.get("servingPort") or 0))  # fmt: skip
+                  int(spec.get("servingPort") or 0), int(geometry.get("blockSize") or 0),
+                  sum(_block_bytes(r["spec"].get("geometry") or {}) for r in ranks),
+                  int(geometry.get("numBlocks") or 0))  # fmt: skip
+
+
+def _block_bytes(geometry: Mapping[str, Any]) -> int:
+    """One logical block's bytes on one rank: every region's block, times the kernel blocks
+    per logical block."""
+    per_kernel_block = sum(int(r.get("blockLen") or 0) for r in geometry.get("regions") or [])
+    return per_kernel_block * int(geometry.get("physicalBlocksPerLogical") or 1)
+
+
+def _transports(pairs: Mapping[str, tuple[str, ...]],
+                ranks: Mapping[str, list[Mapping[str, Any]]],
+                by_name: Mapping[str, Mapping[str, Any]]
+                ) -> dict[tuple[str, str], str]:  # fmt: skip
+    """The transport the decode's ranks report for each verified prefill (their handshakes
+    with its ranks; several values joined with ``+``, sorted)."""
+    out: dict[tuple[str, str], str] = {}
+    for decode, prefills in pairs.items():
+        seen: dict[str, set[str]] = defaultdict(set)
+        for rank in ranks[decode]:
+            for shake in (rank.get("status") or {}).get("handshakes") or []:
+                peer = by_name.get(shake.get("peer", ""))
+                if peer is not None and shake.get("transport"):
+                    seen[peer["spec"]["engineId"]].add(shake["transport"])
+        for prefill in prefills:
+            if seen.get(prefill):
+                out[(decode, prefill)] = "+".join(sorted(seen[prefill]))
+    return out
 
 
 def _verified_prefills(decode_ranks: list[Mapping[str, Any]],

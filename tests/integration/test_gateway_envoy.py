@@ -28,7 +28,8 @@ import pytest
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvbridge_router.extproc import EXT_PROC_SERVICE, EndpointPicker, serve_grpc
+from kvbridge_router.balance import ChooserSettings
+from kvbridge_router.extproc import BODY_CHUNK, EXT_PROC_SERVICE, EndpointPicker, serve_grpc
 from kvbridge_router.picker import PAIR_HEADER, PickerSettings
 from kvbridge_router.proxy import RouterSettings
 from kvbridge_router.sidecar import Sidecar, SidecarSettings
@@ -58,6 +59,7 @@ class FakeEngine:
     host: str
     calls: int = 0
     runner: web.AppRunner | None = None
+    prompts: list[str] = field(default_factory=list)
 
     @property
     def port(self) -> int:
@@ -74,6 +76,7 @@ class FakeEngine:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.calls += 1
         body = await request.json()
+        self.prompts.append(body.get("prompt", ""))
         params = body.get("kv_transfer_params") or {}
         if params.get("do_remote_decode"):
             return web.json_response({"choices": [{"text": "a"}], "kv_transfer_params": {
@@ -106,23 +109,27 @@ class Pool:
     synced: bool = True
     picker_stop: asyncio.Event = field(default_factory=asyncio.Event)
     picker_task: asyncio.Task[None] | None = None
+    picker: EndpointPicker | None = None
     runners: list[web.AppRunner] = field(default_factory=list)
 
     def table_now(self) -> RoutingTable:
         return self.table
 
-    async def start_picker(self) -> None:
+    async def start_picker(self, chooser: ChooserSettings | None = None) -> None:
         self.picker_stop = asyncio.Event()
-        picker = EndpointPicker(self.table_now, PickerSettings(target_port=SIDECAR_PORT,
-                                                               engine_port=ENGINE_PORT))
+        self.picker = EndpointPicker(self.table_now, PickerSettings(
+            target_port=SIDECAR_PORT, engine_port=ENGINE_PORT), chooser)
+        await self.picker.start()
         self.picker_task = asyncio.create_task(serve_grpc(
-            picker, f"127.0.0.1:{PICKER_PORT}", lambda: self.synced, self.picker_stop))
+            self.picker, f"127.0.0.1:{PICKER_PORT}", lambda: self.synced, self.picker_stop))
         await wait_grpc_serving()
 
     async def stop_picker(self) -> None:
         self.picker_stop.set()
         if self.picker_task is not None:
             await self.picker_task
+        if self.picker is not None:
+            await self.picker.close()
 
     async def start_sidecar(self, decode: str, without_header: str = "refuse") -> None:
         host = self.engines[decode].host
@@ -140,13 +147,14 @@ def full_table(engines: dict[str, FakeEngine]) -> RoutingTable:
 
 
 @contextlib.asynccontextmanager
-async def pool(without_header: str = "refuse") -> AsyncIterator[Pool]:
+async def pool(without_header: str = "refuse", chooser: ChooserSettings | None = None
+               ) -> AsyncIterator[Pool]:  # fmt: skip
     engines = {n: await FakeEngine(n, role, host).start() for n, (role, host) in LAYOUT.items()}
     p = Pool(engines, full_table(engines))
     try:
         for decode in VERIFIED:
             await p.start_sidecar(decode, without_header)
-        await p.start_picker()
+        await p.start_picker(chooser)
         yield p
     finally:
         await p.stop_picker()
@@ -193,9 +201,10 @@ def envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Envoy]:
     proxy.stop()
 
 
-def run(scenario: Callable[[Pool], Any], without_header: str = "refuse") -> Any:
+def run(scenario: Callable[[Pool], Any], without_header: str = "refuse",
+        chooser: ChooserSettings | None = None) -> Any:  # fmt: skip
     async def main() -> Any:
-        async with pool(without_header) as p:
+        async with pool(without_header, chooser) as p:
             return await scenario(p)
     return asyncio.run(main())
 
@@ -324,3 +333,29 @@ def test_a_sidecar_set_to_local_serves_headerless_requests_from_its_own_engine()
         assert (status, text_of(body)) == (200, "local->d1")
         assert sum(p.engines[n].calls for n in ("p0", "p1", "p2")) == 0
     run(scenario, without_header="local")
+
+
+def test_cache_aware_picker_reads_the_prompt_and_follows_the_prefix(envoy: Envoy) -> None:
+    """The cache-aware picker holds the request body to read its prompt (approximate
+    tracking, from the text), hands it back whole (a body of several ext_proc chunks), and
+    sends a prompt that shares a long prefix to the pair that served that prefix."""
+    system = "".join(f"tenant-a rule {i}: answer in full sentences. " for i in range(4000))
+    assert len(system) > 2 * BODY_CHUNK
+
+    async def scenario(p: Pool) -> None:
+        first = {**PROMPT, "prompt": system + "Q0?"}
+        status, body, pair = await post(envoy.url, first)
+        assert status == 200 and text_of(body) == pair, body
+        prefill, decode = pair.split("->")
+        for i in range(1, 7):
+            question = {**PROMPT, "prompt": system + f"Q{i}?", "stream": i % 2 == 0}
+            async with aiohttp.ClientSession() as s, s.post(
+                    f"{envoy.url}/v1/completions", json=question) as r:
+                assert r.status == 200, await r.text()
+                assert r.headers[PAIR_HEADER] == pair, (i, r.headers[PAIR_HEADER])
+                await r.read()
+        # Every prompt reached both engines of the pair byte for byte.
+        assert p.engines[prefill].prompts == [system + f"Q{i}?" for i in range(7)]
+        assert p.engines[decode].prompts == p.engines[prefill].prompts
+        assert p.picker is not None and p.picker.balancer.outstanding == Counter()
+    run(scenario, chooser=ChooserSettings("cache-aware"))

@@ -125,3 +125,19 @@ def test_an_engine_is_reached_at_the_port_its_endpoint_states() -> None:
                                         verified_decode("d0", host="127.0.0.1")])
     assert (table.engines["p0"].host, table.engines["p0"].port) == ("127.0.0.1", 9101)
     assert table.engines["d0"].port == 0  # unstated: the router's --engine-port
+
+
+def test_geometry_and_transport_per_pair_for_the_cost_estimate() -> None:
+    def with_geometry(doc: dict[str, Any], block_len: int) -> dict[str, Any]:
+        doc["spec"]["geometry"] = {"blockSize": 16, "numBlocks": 900,
+                                   "physicalBlocksPerLogical": 2,
+                                   "regions": [{"blockLen": block_len}, {"blockLen": block_len}]}
+        return doc
+
+    decode = [with_geometry(verified_decode("d0", engine="d", rank=r, tp=2), 100) for r in (0, 1)]
+    decode[0]["status"]["handshakes"][0]["transport"] = "cma"
+    decode[1]["status"]["handshakes"][0]["transport"] = "tcp"
+    table = routing_table(T, TRANSFER, [with_geometry(ep("p0", "prefill"), 100), *decode])
+    d = table.engines["d"]
+    assert (d.block_size, d.num_blocks, d.block_bytes) == (16, 900, 2 * 2 * 2 * 100)
+    assert table.transport("d", "p0") == "cma+tcp" and table.transport("d", "p9") == ""
