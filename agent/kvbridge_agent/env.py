@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 __all__ = [
     "AGENT_METRICS_PORT",
+    "KV_EVENTS_PORT",
     "NODE_NAME",
     "POD_IP",
     "POD_LABELS_FILE",
@@ -49,6 +50,9 @@ ROLE = "KVBRIDGE_ROLE"
 #: The port the engine's OpenAI server listens on (vLLM's ``--port``), published as
 #: ``spec.servingPort`` so that the P/D router can reach engines that share one address.
 SERVING_PORT = "KVBRIDGE_SERVING_PORT"
+#: ``spec.kvEventsPort``: the port of the engine's KV-event publisher, for routers that choose
+#: pairs by prefix cache (the vLLM connector reads it from --kv-events-config itself).
+KV_EVENTS_PORT = "KVBRIDGE_KV_EVENTS_PORT"
 #: Port of the agent's Prometheus ``/metrics`` (unset: not served; 0: a free port).
 AGENT_METRICS_PORT = "KVBRIDGE_AGENT_METRICS_PORT"
 #: Seconds between two reads of the pod's KVEndpoint.

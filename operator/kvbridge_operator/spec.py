@@ -119,6 +119,7 @@ class Endpoint:
     geometry: Geometry
     pod_uid: str = ""
     serving_port: int = 0
+    kv_events_port: int = 0
     handshakes: tuple[Handshake, ...] = ()
     # Compared (not hashed): kopf's index keeps the stored value when the new one compares
     # equal, so a status-only change (the peers sticky pairing reads, the resourceVersion an

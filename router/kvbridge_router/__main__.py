@@ -99,9 +99,11 @@ def _choice(p: argparse.ArgumentParser) -> None:
                    "e.g. 'tcp=1.2,cma=9' (defaults: tcp 1, shared memory 10, RDMA 20, "
                    "cuda_ipc 100)")
     g.add_argument("--kv-events-port", type=int, default=tracking.kv_events_port,
-                   help="cache-aware: the port of the engines' KV-event publishers "
-                   "(vLLM --kv-events-config): precise tracking; 0: approximate, from the "
-                   "prompts' text (default %(default)s)")
+                   help="cache-aware: the port of the engines' KV-event publishers where "
+                   "their KVEndpoints state none (kvbridge's connector publishes the port of "
+                   "vLLM's --kv-events-config); engines with events give precise tracking, "
+                   "none at all approximate, from the prompts' text (default %(default)s: "
+                   "only the KVEndpoints' ports)")
     g.add_argument("--load-interval-seconds", type=float, default=tracking.load_interval_s,
                    help="cache-aware: how often each engine's /metrics is read "
                    "(default %(default)s)")

@@ -1,16 +1,19 @@
 """The cache-aware chooser's inputs, kept current: what each engine's prefix cache holds, what
 each engine reports of its load, and each request's prompt as blocks (balance.py decides).
 
-- **Precise tracking** (``kv_events_port`` set): one ZMQ subscriber per engine of the table
-  (``tcp://<engine host>:<port>``, the engines started with ``--kv-events-config``) feeds the
-  prefix index (kv_events.py); a prompt's blocks come from its token ids, which the engines'
-  ``/tokenize`` returns (one extra HTTP round trip to a prefill per request; prompts sent as
-  token ids need none). A subscriber that misses a batch (a gap in the sequence numbers) or
-  loses its engine forgets that engine's blocks and starts over: under-counting costs a
-  cache hit, over-counting would send requests to an engine that lacks the blocks.
-- **Approximate tracking** (no events port): a prompt's blocks are chunks of its text
-  (``chars_per_token`` characters a token), and the router remembers which it sent where,
-  up to each engine's block count. Nothing extra per request, no engine setting; a guess.
+- **Precise tracking** (engines that state ``spec.kvEventsPort``, which kvbridge's connector
+  reads from vLLM's ``--kv-events-config``, or ``kv_events_port`` for all): one ZMQ
+  subscriber per such engine (``tcp://<engine host>:<port>``) feeds the prefix index
+  (kv_events.py); a prompt's blocks come from its token ids, which the engines' ``/tokenize``
+  returns (one extra HTTP round trip to a prefill per request; prompts sent as token ids
+  need none). Engines without events are never credited with a hit. A subscriber that
+  misses a batch (a gap in the sequence numbers) or loses its engine forgets that engine's
+  blocks and starts over: under-counting costs a cache hit, over-counting would send
+  requests to an engine that lacks the blocks.
+- **Approximate tracking** (no engine publishes events): a prompt's blocks are chunks of its
+  text (``chars_per_token`` characters a token), and the router remembers which it sent
+  where, up to each engine's block count. Nothing extra per request, no engine setting; a
+  guess.
 - **Load**: every ``load_interval_s`` each engine's ``/metrics`` (engine_load.py).
 """
 
@@ -40,7 +43,8 @@ log = logging.getLogger("kvbridge.router.affinity")
 
 @dataclass(frozen=True)
 class TrackingSettings:
-    #: the port of the engines' KV-event publishers; 0: approximate tracking
+    #: the port of the engines' KV-event publishers where their KVEndpoints state none;
+    #: 0: only theirs (none at all: approximate tracking)
     kv_events_port: int = 0
     #: how often each engine's /metrics is read (seconds)
     load_interval_s: float = 1.0
@@ -50,9 +54,12 @@ class TrackingSettings:
     default_block_size: int = 16
     tokenize_timeout_s: float = 5.0
 
-    @property
-    def precise(self) -> bool:
-        return self.kv_events_port > 0
+    def events_port(self, engine: Engine) -> int:
+        return engine.kv_events_port or self.kv_events_port
+
+    def precise(self, table: RoutingTable) -> bool:
+        """Whether prompts are matched by token ids against KV events (else by text)."""
+        return any(self.events_port(e) for e in table.engines.values())
 
 
 class CacheTracker:
@@ -76,7 +83,7 @@ class CacheTracker:
         """``body``'s prompt as blocks of the engines' block size; None when it has no prompt
         the chooser can read (it is then chosen on load alone)."""
         block_size = self._block_size(table)
-        if not self.settings.precise:
+        if not self.settings.precise(table):
             chars = max(1, round(block_size * self.settings.chars_per_token))
             text = prompts.prompt_text(body)
             keys = text_block_keys(text, chars)
@@ -90,7 +97,11 @@ class CacheTracker:
                       math.ceil(len(tokens) / block_size))  # fmt: skip
 
     def _block_size(self, table: RoutingTable) -> int:
-        sizes = [e.block_size for e in table.engines.values() if e.block_size]
+        """The block size the engines hash by: as their KV events state it, else as their
+        KVEndpoints do."""
+        sizes = [self.balancer.index.block_sizes.get(e.engine_id) or e.block_size
+                 for e in table.engines.values()]  # fmt: skip
+        sizes = [s for s in sizes if s]
         return min(sizes) if sizes else self.settings.default_block_size
 
     async def _tokenize(self, session: aiohttp.ClientSession, body: dict[str, Any],
@@ -121,7 +132,7 @@ class CacheTracker:
         engines now hold the prompt."""
         m.observe_decision(decision)
         log.debug("%s", decision.describe())
-        if prompt is None or self.settings.precise:
+        if prompt is None or self.settings.precise(self.table()):
             return
         for engine in (decision.pair.prefill, decision.pair.decode):
             capacity = engine.num_blocks or 1024
@@ -130,12 +141,11 @@ class CacheTracker:
     # background: events and loads
     async def run(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
         """Follow the table's engines until ``stop``: subscribers and load polls."""
-        ctx = zmq.asyncio.Context() if self.settings.precise else None
+        ctx = zmq.asyncio.Context()
         try:
             while not stop.is_set():
                 table = self.table()
-                if ctx is not None:
-                    self._follow(ctx, table)
+                self._follow(ctx, table)
                 await self._poll_loads(session, table)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.settings.load_interval_s)
@@ -148,8 +158,8 @@ class CacheTracker:
                 ctx.destroy(linger=0)
 
     def _follow(self, ctx: zmq.asyncio.Context, table: RoutingTable) -> None:
-        wanted = {e.engine_id: f"tcp://{_bracket(e.host)}:{self.settings.kv_events_port}"
-                  for e in table.engines.values()}  # fmt: skip
+        wanted = {e.engine_id: f"tcp://{_bracket(e.host)}:{self.settings.events_port(e)}"
+                  for e in table.engines.values() if self.settings.events_port(e)}  # fmt: skip
         for engine_id, (endpoint, task) in list(self._subscribers.items()):
             if wanted.get(engine_id) != endpoint or task.done():
                 task.cancel()
@@ -159,9 +169,10 @@ class CacheTracker:
             if engine_id not in self._subscribers:
                 task = asyncio.create_task(self._subscribe(ctx, engine_id, endpoint))
                 self._subscribers[engine_id] = (endpoint, task)
-        for engine_id in self.balancer.index.engines():
-            if engine_id not in wanted:
-                self.balancer.index.observe_cleared(engine_id)
+        if wanted:   # precise: forget engines that left (approximate keeps what it sent)
+            for engine_id in self.balancer.index.engines():
+                if engine_id not in wanted:
+                    self.balancer.index.observe_cleared(engine_id)
 
     async def _subscribe(self, ctx: zmq.asyncio.Context, engine_id: str, endpoint: str) -> None:
         sock = ctx.socket(zmq.SUB)

@@ -59,6 +59,10 @@ def init_series() -> None:
         REQUESTS.labels(outcome, "", "")
     for stage in ("prefill", "decode", "lease"):
         RETRIES.labels(stage)
+    for policy in ("least-load", "cache-aware"):   # balance.POLICIES
+        PICK_PROMPT_BLOCKS.labels(policy)
+        for role in ("prefill", "decode"):
+            PICK_HIT_BLOCKS.labels(policy, role)
 
 # The endpoint picker (kvbridge-router epp): its own process, the same registry.
 PICKS = Counter(

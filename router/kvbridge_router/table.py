@@ -32,12 +32,16 @@ class Engine:
     pods: tuple[str, ...]
     #: its OpenAI port (``spec.servingPort``); 0: the router's --engine-port
     port: int = 0
-    #: tokens per KV block (``spec.geometry.blockSize``); 0: not stated
+    #: tokens per logical KV block, what vLLM hashes for its prefix cache (the kernel
+    #: block size times the kernel blocks per logical block); 0: not stated
     block_size: int = 0
     #: KV bytes of one block over all ranks and regions (what a decode pulls per block)
     block_bytes: int = 0
-    #: KV blocks the engine holds (``spec.geometry.numBlocks``, its first rank's)
+    #: logical KV blocks the engine holds (its first rank's ``spec.geometry.numBlocks``,
+    #: kernel blocks, over the kernel blocks per logical block)
     num_blocks: int = 0
+    #: the port of its KV-event publisher (``spec.kvEventsPort``); 0: none stated
+    kv_events_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,9 +108,13 @@ def _engine(engine_id: str, ranks: list[Mapping[str, Any]]) -> Engine:
     geometry = spec.get("geometry") or {}
     return Engine(engine_id, spec["role"], spec["sideChannel"]["host"],
                   tuple(sorted(r["spec"].get("podName", r["metadata"]["name"]) for r in ranks)),
-                  int(spec.get("servingPort") or 0), int(geometry.get("blockSize") or 0),
+                  int(spec.get("servingPort") or 0),
+                  int(geometry.get("blockSize") or 0)
+                  * int(geometry.get("physicalBlocksPerLogical") or 1),
                   sum(_block_bytes(r["spec"].get("geometry") or {}) for r in ranks),
-                  int(geometry.get("numBlocks") or 0))  # fmt: skip
+                  int(geometry.get("numBlocks") or 0)
+                  // int(geometry.get("physicalBlocksPerLogical") or 1),
+                  int(spec.get("kvEventsPort") or 0))  # fmt: skip
 
 
 def _block_bytes(geometry: Mapping[str, Any]) -> int:

@@ -130,7 +130,8 @@ def test_dashboard_covers_the_topology_handshakes_transfers_and_operator() -> No
         "kvbridge_router_retries", "kvbridge_router_verified_pairs",
         "kvbridge_router_time_to_first_token_seconds", "kvbridge_router_info",
         "kvbridge_pair_transport", "kvbridge_transport_fallback_pairs",
-        "kvbridge_agent_peer_transport",
+        "kvbridge_agent_peer_transport", "kvbridge_router_pick_prompt_blocks",
+        "kvbridge_router_pick_cache_hit_blocks",
     } <= used
     dash = json.loads(DASHBOARD.read_text())
     names = [v["name"] for v in dash["templating"]["list"]]
@@ -142,6 +143,42 @@ def test_dashboard_covers_the_topology_handshakes_transfers_and_operator() -> No
             assert '$job' in expr, (title, expr)
     assert all(p["datasource"]["uid"] == "${datasource}" for p in dash["panels"]
                if p["type"] != "row")
+
+
+def test_dashboard_layout() -> None:
+    """Panel ids are unique and no two panels overlap on the grid (24 columns wide)."""
+    dash = json.loads(DASHBOARD.read_text())
+    panels = dash["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), ids
+    cells: dict[tuple[int, int], str] = {}
+    for p in panels:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24, p["title"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, f"{p['title']} overlaps {cells[(x, y)]}"
+                cells[(x, y)] = p["title"]
+
+
+def test_pair_choice_hit_rate_panel() -> None:
+    """The router row's prefix-cache hit rate: per KVTransfer (the router's series joined
+    with kvbridge_router_info by instance), the prefill's and the decode's hit blocks over the
+    chosen prompts' blocks."""
+    dash = json.loads(DASHBOARD.read_text())
+    (panel,) = [p for p in dash["panels"] if p["title"] == "Prefix cache hit rate (pair choice)"]
+    router_row = next(p for p in dash["panels"] if p["title"] == "Router (kvbridge-router)")
+    assert panel["gridPos"]["y"] > router_row["gridPos"]["y"]
+    assert panel["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    join = ('* on (instance) group_left (namespace, transfer) kvbridge_router_info'
+            '{namespace=~"$namespace", transfer=~"$transfer"}')
+    prompt = ("sum by (namespace, transfer) (rate(kvbridge_router_pick_prompt_blocks_sum"
+              f"[$__rate_interval]) {join})")
+    assert [(t["expr"], t["legendFormat"]) for t in panel["targets"]] == [
+        ("sum by (namespace, transfer) (rate(kvbridge_router_pick_cache_hit_blocks_sum"
+         f'{{role="{role}"}}[$__rate_interval]) {join}) / {prompt}',
+         f"{{{{namespace}}}}/{{{{transfer}}}} {role}")
+        for role in ("prefill", "decode")]
 
 
 def test_alert_annotations_labels_and_values() -> None:

@@ -4,7 +4,9 @@ schema validation of every object, the values schema, the CRD copy, RBAC and sec
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
+import io
 import json
 import re
 import subprocess
@@ -43,7 +45,8 @@ VALUES = values_files()
 INFERENCE_API = "inference.networking.k8s.io/v1"
 # Values files of setups that need more than the chart's floor: the Kubernetes version and the
 # extra APIs their pretend cluster serves (the gateway's gRPC probes need 1.24).
-CLUSTERS = {"gateway": ("1.29.0", ("kopf.dev/v1", INFERENCE_API))}
+CLUSTERS = {"gateway": ("1.29.0", ("kopf.dev/v1", INFERENCE_API)),
+            "pair-choice": ("1.29.0", ("kopf.dev/v1", INFERENCE_API))}
 
 
 @pytest.fixture(scope="module")
@@ -854,7 +857,8 @@ def test_gateway(rendered: dict) -> None:
     container = _picker(objs)
     assert container["command"] == [
         "kvbridge-router", "epp", "--transfer=llama-70b", "--namespace=serving", "--port=9002",
-        "--metrics-port=9090", "--target-port=8000", "--engine-port=8000"]
+        "--metrics-port=9090", "--target-port=8000", "--engine-port=8000",
+        *DEFAULT_PAIR_CHOICE_ARGS]
     args = _cli(container["command"])
     assert (args["mode"], args["transfer"], args["namespace"], args["port"],
             args["metrics_port"], args["target_port"], args["engine_port"]) == (
@@ -1125,3 +1129,151 @@ def test_gateway_example_fits_the_serving_pods() -> None:
     assert [r["backendRefs"] for r in route["spec"]["rules"]] == [[{
         "group": "inference.networking.k8s.io", "kind": "InferencePool",
         "name": pool["metadata"]["name"]}]]
+
+
+# --- pair choice ----------------------------------------------------------------------------
+
+DEFAULT_PAIR_CHOICE_ARGS = [
+    "--policy=least-load", "--prefill-ms-per-block=1", "--queue-ms=10",
+    "--pull-ms-per-block=0.1", "--decode-queue-ms=2", "--balance-factor=1.5",
+    "--kv-events-port=0", "--load-interval-seconds=1", "--chars-per-token=4"]
+CUSTOM_PAIR_CHOICE_ARGS = [
+    "--policy=cache-aware", "--prefill-ms-per-block=0.25", "--queue-ms=0",
+    "--pull-ms-per-block=0.5", "--decode-queue-ms=3", "--balance-factor=2",
+    "--transport-gbps=cma=9,rc_mlx5=25,tcp=1.2", "--kv-events-port=5557",
+    "--load-interval-seconds=0.5", "--chars-per-token=3.5"]
+
+
+def _router(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    (container,) = one(objs, "Deployment", "kvbridge-router")["spec"]["template"]["spec"][
+        "containers"]
+    return container
+
+
+@functools.cache
+def _pair_choice_flags(*mode: str) -> tuple[str, ...]:
+    """The flags of the CLI's "pair choice" group, read from its --help."""
+    from kvbridge_router.__main__ import parse_args
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        parse_args([*mode, "--help"])
+    section = out.getvalue().split("\npair choice", 1)[1]
+    section = re.split(r"\n\S", section, maxsplit=1)[0]   # up to the next group's title
+    return tuple(re.findall(r"^  (--[a-z-]+)", section, re.M))
+
+
+def _pair_choice(command: list[str]) -> dict[str, Any]:
+    dests = {f[2:].replace("-", "_") for f in _pair_choice_flags()}
+    return {k: v for k, v in _cli(command).items() if k in dests}
+
+
+def test_pair_choice_defaults_are_the_clis(rendered: dict) -> None:
+    """Without pairChoice the router and the picker get every pair-choice flag of the CLI
+    (transportGbps aside: empty, the built-in table), each at the CLI's own default
+    (least-load)."""
+    from kvbridge_router.__main__ import parse_args
+
+    flags = _pair_choice_flags()
+    assert flags == _pair_choice_flags("epp")
+    assert "--policy" in flags and "--kv-events-port" in flags
+    router = _router(rendered["router"])["command"]
+    picker = _picker(rendered["gateway"])["command"]
+    n = len(DEFAULT_PAIR_CHOICE_ARGS)
+    assert router[-n:] == picker[-n:] == DEFAULT_PAIR_CHOICE_ARGS
+    assert {a.split("=", 1)[0] for a in DEFAULT_PAIR_CHOICE_ARGS} == set(flags) - {
+        "--transport-gbps"}
+    cli = {k: v for k, v in vars(parse_args(["--transfer=t"])).items()
+           if k in _pair_choice(router)}  # fmt: skip
+    assert _pair_choice(router) == _pair_choice(picker) == cli
+    assert cli["policy"] == "least-load" and cli["transport_gbps"] == ""
+
+
+def test_pair_choice_reaches_the_router_and_the_picker(rendered: dict) -> None:
+    """A custom pairChoice lands on both command lines alike (transportGbps sorted by name),
+    and their parsers read it as set."""
+    objs = rendered["pair-choice"]
+    router, picker = _router(objs)["command"], _picker(objs)["command"]
+    n = len(CUSTOM_PAIR_CHOICE_ARGS)
+    assert router[-n:] == picker[-n:] == CUSTOM_PAIR_CHOICE_ARGS
+    assert {a.split("=", 1)[0] for a in CUSTOM_PAIR_CHOICE_ARGS} == set(_pair_choice_flags())
+    assert _pair_choice(router) == _pair_choice(picker) == {
+        "policy": "cache-aware", "prefill_ms_per_block": 0.25, "queue_ms": 0.0,
+        "pull_ms_per_block": 0.5, "decode_queue_ms": 3.0, "balance_factor": 2.0,
+        "transport_gbps": "cma=9,rc_mlx5=25,tcp=1.2",
+        "kv_events_port": 5557, "load_interval_seconds": 0.5, "chars_per_token": 3.5}
+    # The other flags stay where they were.
+    assert _cli(router)["engine_port"] == _cli(picker)["engine_port"] == 8000
+
+
+def test_pair_choice_networkpolicy(rendered: dict) -> None:
+    """networkPolicy.enabled: besides the side-channel policy, the router's and the picker's
+    pods may reach the serving pods on the engine port (requests, /tokenize, /metrics),
+    pairChoice.extraEnginePorts and the KV-event port (precise tracking)."""
+    objs = rendered["pair-choice"]
+    policies = {p["metadata"]["name"]: p for p in by_kind(objs, "NetworkPolicy")}
+    assert set(policies) == {"kvbridge-side-channel", "kvbridge-router", "kvbridge-epp"}
+    serving = policies["kvbridge-side-channel"]["spec"]["podSelector"]
+    for name in ("kvbridge-router", "kvbridge-epp"):
+        pol = policies[name]
+        pods = one(objs, "Deployment", name)["spec"]["selector"]["matchLabels"]
+        assert pol["metadata"]["namespace"] == "serving"
+        assert pol["spec"]["podSelector"] == serving
+        assert pol["spec"]["policyTypes"] == ["Ingress"]
+        assert pol["spec"]["ingress"] == [{
+            "from": [{"podSelector": {"matchLabels": pods}}],
+            "ports": [{"port": 8000, "protocol": "TCP"}, {"port": "http", "protocol": "TCP"},
+                      {"port": 5557, "protocol": "TCP"}]}]  # fmt: skip
+    # Approximate tracking: the engine port only (once, though listed again); the picker's
+    # own gateway.enginePort.
+    objs = render(sets=[*GATEWAY_SETS, "router.enabled=true", "router.transfer=t",
+                        "networkPolicy.enabled=true", "gateway.enginePort=8001",
+                        "pairChoice.extraEnginePorts={8000}"])  # fmt: skip
+    assert one(objs, "NetworkPolicy", "kvbridge-router")["spec"]["ingress"][0]["ports"] == [
+        {"port": 8000, "protocol": "TCP"}]
+    assert one(objs, "NetworkPolicy", "kvbridge-epp")["spec"]["ingress"][0]["ports"] == [
+        {"port": 8001, "protocol": "TCP"}, {"port": 8000, "protocol": "TCP"}]
+    # No chart policy where the router runs, or none at all: nothing to open.
+    objs = render(sets=["router.enabled=true", "router.transfer=t", "router.namespace=other",
+                        "networkPolicy.enabled=true", "pairChoice.kvEventsPort=5557"])
+    assert [p["metadata"]["name"] for p in by_kind(objs, "NetworkPolicy")] == [
+        "kvbridge-side-channel"]
+    assert not by_kind(rendered["router"], "NetworkPolicy")
+    assert not by_kind(rendered["gateway"], "NetworkPolicy")
+
+
+BAD_PAIR_CHOICE = [
+    (["pairChoice.policy=round-robin"],
+     "'/pairChoice/policy': value must be one of 'least-load', 'cache-aware'"),
+    (["pairChoice.balanceFactor=0"], "'/pairChoice/balanceFactor': minimum"),
+    (["pairChoice.prefillMsPerBlock=-1"], "'/pairChoice/prefillMsPerBlock': minimum"),
+    (["pairChoice.queueMs=-1"], "'/pairChoice/queueMs': minimum"),
+    (["pairChoice.pullMsPerBlock=-1"], "'/pairChoice/pullMsPerBlock': minimum"),
+    (["pairChoice.decodeQueueMs=-1"], "'/pairChoice/decodeQueueMs': minimum"),
+    (["pairChoice.kvEventsPort=70000"], "'/pairChoice/kvEventsPort': maximum"),
+    (["pairChoice.kvEventsPort=-1"], "'/pairChoice/kvEventsPort': minimum"),
+    (["pairChoice.loadIntervalSeconds=0"], "'/pairChoice/loadIntervalSeconds': exclusiveMinimum"),
+    (["pairChoice.charsPerToken=0"], "'/pairChoice/charsPerToken': exclusiveMinimum"),
+    (["pairChoice.transportGbps.tcp=0"], "'/pairChoice/transportGbps/tcp': exclusiveMinimum"),
+    (["pairChoice.transportGbps.TCP=1"],
+     "'/pairChoice/transportGbps': additional properties 'TCP' not allowed"),
+    (["pairChoice.extraEnginePorts={0}"], "'/pairChoice/extraEnginePorts/0'"),
+    (["pairChoice.polcy=cache-aware"], "'/pairChoice': additional properties 'polcy'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("sets", "fragment"), BAD_PAIR_CHOICE,
+                         ids=[s[0][0] for s in BAD_PAIR_CHOICE])  # fmt: skip
+def test_schema_rejects_bad_pair_choice(sets: list[str], fragment: str) -> None:
+    with pytest.raises(HelmError) as err:
+        render(sets=sets)
+    assert "don't meet the specifications of the schema" in str(err.value)
+    assert fragment in str(err.value), str(err.value)
+
+
+def test_schema_rejects_a_fractional_balance_factor_below_1() -> None:
+    """A number, not only an integer, below 1 (--set passes fractions as strings)."""
+    with pytest.raises(HelmError) as err:
+        helm("template", "x", str(CHART), "--set-json", "pairChoice.balanceFactor=0.5")
+    assert "'/pairChoice/balanceFactor': minimum: got 0.5" in str(err.value), str(err.value)
+    helm("template", "x", str(CHART), "--set-json", "pairChoice.balanceFactor=1")

@@ -16,7 +16,7 @@ SPEC = {
     "role": "decode", "transfer": "kvt", "engine_id": "d", "pod_name": "d-0", "pod_uid": "u",
     "node_name": "n", "host": "10.0.0.1", "port": 5600, "tp_rank": 1, "tp_size": 2,
     "dp_index": 0, "protocol_version": 11, "compatibility_hash": "ab" * 32, "mode": "pull",
-    "epoch": 7, "serving_port": 8000,
+    "epoch": 7, "serving_port": 8000, "kv_events_port": 5557,
 }
 GEOMETRY = {
     "block_size": 16, "physical_blocks_per_logical": 1, "num_blocks": 64,
@@ -30,7 +30,8 @@ REGIONS = [{"name": "l0", "num_blocks": 64, "group_id": 0, "mem_type": "DRAM",
 def test_document_parses_back_field_for_field() -> None:
     doc = endpoint_document(SPEC, GEOMETRY, REGIONS)
     assert doc["sideChannel"] == {"host": "10.0.0.1", "port": 5600}
-    assert doc["servingPort"] == 8000 and "numKvHeads" not in doc["geometry"]
+    assert doc["servingPort"] == 8000 and doc["kvEventsPort"] == 5557
+    assert "numKvHeads" not in doc["geometry"]
     ep = parse_endpoint({"metadata": {"name": "d-0"}, "spec": doc})
     assert {f.attr: getattr(ep, f.attr) for f in ENDPOINT_FIELDS} == SPEC
     assert {f.attr: getattr(ep.geometry, f.attr) for f in GEOMETRY_FIELDS} == GEOMETRY

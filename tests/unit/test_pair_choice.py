@@ -291,6 +291,42 @@ def test_settings_reach_the_router_and_the_picker() -> None:
                        "--transport-gbps", "tcp=2,cma=8", "--balance-factor", "2"])
     assert args.chooser.policy == "cache-aware" and args.chooser.balance_factor == 2
     assert args.chooser.transport_gbps["tcp"] == 2 and args.chooser.transport_gbps["rc"] == 20
-    assert args.tracking.precise and args.tracking.kv_events_port == 5557
+    assert args.tracking.kv_events_port == 5557
     epp = parse_args(["epp", "--transfer", "t", "--policy", "cache-aware"])
-    assert epp.chooser.policy == "cache-aware" and not epp.tracking.precise
+    assert epp.chooser.policy == "cache-aware" and epp.tracking.kv_events_port == 0
+
+
+def test_kv_events_port_from_vllms_config() -> None:
+    """The port kvbridge's connector publishes as ``spec.kvEventsPort``: only a bound ZMQ
+    endpoint is one a router can subscribe to (vLLM connects when a host is named)."""
+    from types import SimpleNamespace
+
+    from kvbridge_agent.vllm._events import kv_events_port
+
+    def config(endpoint: str, enabled: bool = True, publisher: str = "zmq") -> SimpleNamespace:
+        return SimpleNamespace(enable_kv_cache_events=enabled, publisher=publisher,
+                               endpoint=endpoint)  # fmt: skip
+
+    assert kv_events_port(config("tcp://*:5557")) == 5557
+    assert kv_events_port(config("tcp://*:5557"), dp_index=2) == 5559
+    assert kv_events_port(config("tcp://[::]:6000")) == 6000
+    assert kv_events_port(config("tcp://10.1.2.3:5557")) == 0     # vLLM connects out
+    assert kv_events_port(config("ipc:///tmp/events")) == 0
+    assert kv_events_port(config("tcp://*:5557", enabled=False)) == 0
+    assert kv_events_port(config("tcp://*:5557", publisher="null")) == 0
+    assert kv_events_port(None) == 0
+
+
+def test_every_policy_has_its_decision_series_from_the_start() -> None:
+    from prometheus_client import generate_latest
+
+    from kvbridge_router import metrics as m
+    from kvbridge_router.balance import POLICIES
+
+    m.init_series()
+    text = generate_latest(m.REGISTRY).decode()
+    for policy in POLICIES:
+        for role in ("prefill", "decode"):
+            assert (f'kvbridge_router_pick_cache_hit_blocks_sum{{policy="{policy}",'
+                    f'role="{role}"}}') in text
+        assert f'kvbridge_router_pick_prompt_blocks_sum{{policy="{policy}"}}' in text

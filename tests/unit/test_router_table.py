@@ -137,7 +137,10 @@ def test_geometry_and_transport_per_pair_for_the_cost_estimate() -> None:
     decode = [with_geometry(verified_decode("d0", engine="d", rank=r, tp=2), 100) for r in (0, 1)]
     decode[0]["status"]["handshakes"][0]["transport"] = "cma"
     decode[1]["status"]["handshakes"][0]["transport"] = "tcp"
-    table = routing_table(T, TRANSFER, [with_geometry(ep("p0", "prefill"), 100), *decode])
+    prefill = with_geometry(ep("p0", "prefill"), 100)
+    prefill["spec"]["kvEventsPort"] = 5557
+    table = routing_table(T, TRANSFER, [prefill, *decode])
     d = table.engines["d"]
-    assert (d.block_size, d.num_blocks, d.block_bytes) == (16, 900, 2 * 2 * 2 * 100)
+    assert (d.block_size, d.num_blocks, d.block_bytes) == (32, 450, 2 * 2 * 2 * 100)
+    assert d.kv_events_port == 0 and table.engines["p0"].kv_events_port == 5557
     assert table.transport("d", "p0") == "cma+tcp" and table.transport("d", "p9") == ""

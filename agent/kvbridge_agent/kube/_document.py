@@ -15,7 +15,8 @@ __all__ = ["endpoint_spec"]
 
 
 def endpoint_spec(service: AgentService, *, transfer: str, pod_name: str, pod_uid: str = "",
-                  node_name: str = "", serving_port: int = 0) -> dict[str, Any]:
+                  node_name: str = "", serving_port: int = 0, kv_events_port: int = 0
+                  ) -> dict[str, Any]:  # fmt: skip
     """The KVEndpoint ``spec`` for ``service``'s registration (a started agent)."""
     assert service.metadata is not None, "start() first"
     e, m = service.engine, service.metadata
@@ -38,6 +39,6 @@ def endpoint_spec(service: AgentService, *, transfer: str, pod_name: str, pod_ui
         "port": service.port, "tp_rank": e.tp_rank, "tp_size": e.tp_size,
         "dp_index": e.dp_index, "protocol_version": NIXL_CONNECTOR_VERSION,
         "compatibility_hash": service.hash, "mode": e.mode, "epoch": service.epoch,
-        "serving_port": serving_port,
+        "serving_port": serving_port, "kv_events_port": kv_events_port,
     }
     return endpoint_document(spec, geometry, regions)

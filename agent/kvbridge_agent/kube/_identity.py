@@ -40,8 +40,10 @@ def parse_pod_labels(text: str, source: str = "labels file") -> dict[str, str]:
     return labels
 
 
-def parse_serving_port(text: str) -> int:
-    """``$KVBRIDGE_SERVING_PORT`` as a port number; 0 when it is unset or empty."""
+def parse_serving_port(text: str, name: str = ENV_SERVING_PORT,
+                       what: str = "the engine's OpenAI server port") -> int:  # fmt: skip
+    """``$KVBRIDGE_SERVING_PORT`` (or another port variable, ``name``) as a port number; 0
+    when it is unset or empty."""
     if not text.strip():
         return 0
     try:
@@ -49,8 +51,7 @@ def parse_serving_port(text: str) -> int:
     except ValueError:
         port = -1
     if not 1 <= port <= 65535:
-        raise ValueError(f"{ENV_SERVING_PORT}: expected a TCP port (1-65535, the engine's "
-                         f"OpenAI server port), got {text!r}")
+        raise ValueError(f"{name}: expected a TCP port (1-65535, {what}), got {text!r}")
     return port
 
 
@@ -66,6 +67,8 @@ class PodIdentity:
     labels: Mapping[str, str] = field(default_factory=dict)
     #: the engine's OpenAI port; 0: not stated (the router then uses its --engine-port)
     serving_port: int = 0
+    #: the port of the engine's KV-event publisher; 0: not stated
+    kv_events_port: int = 0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PodIdentity:
@@ -75,7 +78,8 @@ class PodIdentity:
         The labels, which the KVEndpoint carries so that KVTransfer selectors can match it,
         come from ``$KVBRIDGE_POD_LABELS_FILE`` (default ``/etc/podinfo/labels``, a
         downwardAPI volume item of ``metadata.labels``); none when that file does not exist.
-        ``KVBRIDGE_SERVING_PORT`` (optional) is the engine's OpenAI port.
+        ``KVBRIDGE_SERVING_PORT`` (optional) is the engine's OpenAI port,
+        ``KVBRIDGE_KV_EVENTS_PORT`` (optional) its KV-event publisher's.
         """
         env = os.environ if env is None else env
         missing = [k for k in (ENV_POD_NAME, ENV_POD_UID, ENV_POD_NAMESPACE) if not env.get(k)]
@@ -92,7 +96,9 @@ class PodIdentity:
             labels = parse_pod_labels(text, labels_file)
         return cls(env[ENV_POD_NAME], env[ENV_POD_UID], env[ENV_POD_NAMESPACE],
                    env.get(ENV_NODE_NAME, ""), env.get(ENV_POD_IP, ""), labels,
-                   parse_serving_port(env.get(ENV_SERVING_PORT, "")))
+                   parse_serving_port(env.get(ENV_SERVING_PORT, "")),
+                   parse_serving_port(env.get(names.KV_EVENTS_PORT, ""), names.KV_EVENTS_PORT,
+                                      "the engine's KV-event publisher port"))
 
     def endpoint_name(self, tp_rank: int = 0, tp_size: int = 1) -> str:
         """The KVEndpoint name of one TP rank: the pod's name when the pod runs one rank,

@@ -68,7 +68,8 @@ class EndpointSync:
                 f"(AgentSettings.epoch={epoch})")
         self.spec = endpoint_spec(
             self.service, transfer=self.transfer, pod_name=pod.name, pod_uid=pod.uid,
-            node_name=pod.node_name, serving_port=pod.serving_port)
+            node_name=pod.node_name, serving_port=pod.serving_port,
+            kv_events_port=pod.kv_events_port)
         published = self.publisher.publish(self.spec)
         metrics.set_info(*self._info())
         return published

@@ -96,6 +96,9 @@ ENDPOINT_FIELDS: tuple[EndpointField, ...] = (
     _f("epoch", "epoch", int),
     #: the engine's OpenAI port, which the router reaches it on (KVBRIDGE_SERVING_PORT)
     _f("servingPort", "serving_port", int, default=0, omit_empty=True),
+    #: the engine's KV-event publisher, which cache-aware routers subscribe to
+    #: (vLLM --kv-events-config, or KVBRIDGE_KV_EVENTS_PORT)
+    _f("kvEventsPort", "kv_events_port", int, default=0, omit_empty=True),
 )
 
 #: ``spec.geometry`` (its ``regions`` list aside).

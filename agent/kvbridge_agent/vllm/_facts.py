@@ -33,6 +33,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.worker.utils import select_common_block_size
 
 from ..errors import KVBridgeError
+from ._events import kv_events_port
 
 __all__ = [
     "UnsupportedVllmSettingError",
@@ -77,6 +78,8 @@ class VllmEngineFacts:
     hma: bool                # failures are reported per request, not per block
     layers: dict[str, LayerSpec] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the port vLLM's KV-event publisher binds (--kv-events-config); 0: none bound
+    kv_events_port: int = 0
 
     @property
     def role(self) -> str:
@@ -175,4 +178,6 @@ def read_engine_facts(vllm_config: Any, engine_id: str, kv_cache_config: Any
         compat_hash=compute_nixl_compatibility_hash(vllm_config, backend_name, "pull"),
         hma=(not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
              and any(not isinstance(s, FullAttentionSpec) for s in specs.values())),
-        layers=layers, extra=extra)
+        layers=layers, extra=extra,
+        kv_events_port=kv_events_port(getattr(vllm_config, "kv_events_config", None),
+                                      int(vllm_config.parallel_config.data_parallel_index)))

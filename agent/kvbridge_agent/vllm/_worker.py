@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from vllm import envs
@@ -220,6 +220,8 @@ class KVBridgeWorker:
                     f"{names.POD_UID} set) the connector publishes a KVEndpoint and needs the "
                     "name of its KVTransfer")
             pod = PodIdentity.from_env()
+            if not pod.kv_events_port and self.facts.kv_events_port:
+                pod = replace(pod, kv_events_port=self.facts.kv_events_port)
             if not pod.labels:
                 log.warning("kvbridge: no pod labels (mount a downwardAPI item of "
                             f"metadata.labels at ${names.POD_LABELS_FILE}, default "
