@@ -159,13 +159,12 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                     end = request.request_body.end_of_stream
                     if not end and len(body) <= MAX_HELD_BODY:
                         continue
-                    response, busy = self._on_headers(held, await self._prompt(body, end))
+                    replies, busy = await self._release_held(held, body, end, end)
                     held = None
-                    yield response
+                    for reply in replies:
+                        yield reply
                     if busy is None:
                         return
-                    for part in _held_body(bytes(body), end):
-                        yield part
                     body.clear()
                 elif kind == "request_body":
                     yield ep.ProcessingResponse(request_body=_echo(request.request_body))
@@ -180,13 +179,12 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                         busy = None
                 elif kind == "request_trailers":
                     if held is not None:   # the body ended with trailers, not a flag
-                        response, busy = self._on_headers(held, await self._prompt(body, True))
+                        replies, busy = await self._release_held(held, body, True, False)
                         held = None
-                        yield response
+                        for reply in replies:
+                            yield reply
                         if busy is None:
                             return
-                        for part in _held_body(bytes(body), False):
-                            yield part
                     yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
                 elif kind == "response_trailers":
                     yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
@@ -194,6 +192,16 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             m.PICKER_STREAMS.dec()
             if busy is not None:
                 self._release(busy)
+
+    async def _release_held(self, held: ep.ProcessingRequest, body: bytearray, complete: bool,
+                            end_of_stream: bool
+                            ) -> tuple[list[ep.ProcessingResponse], Pair | None]:  # fmt: skip
+        """The pick for held request headers, made on the body read so far (its prompt when
+        ``complete``), and the replies: the headers' answer, then the body unless refused."""
+        response, busy = self._on_headers(held, await self._prompt(body, complete))
+        if busy is None:
+            return [response], None
+        return [response, *_held_body(bytes(body), end_of_stream)], busy
 
     async def _prompt(self, body: bytes | bytearray, complete: bool) -> Prompt | None:
         """The held body's prompt; None when it is incomplete (too large) or not JSON."""
