@@ -24,7 +24,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -52,6 +52,9 @@ class TrackingSettings:
     chars_per_token: float = 4.0
     #: the block size in tokens where an engine's KVEndpoint states none
     default_block_size: int = 16
+    #: precise: how long a prompt just sent to an engine counts as held there before its
+    #: KV events arrive (they come once the engine has computed or pulled it)
+    expect_s: float = 15.0
     tokenize_timeout_s: float = 5.0
 
     def events_port(self, engine: Engine) -> int:
@@ -128,15 +131,20 @@ class CacheTracker:
         return tokens if isinstance(tokens, list) else None
 
     def chosen(self, decision: Decision, prompt: Prompt | None) -> None:
-        """Record the decision: metrics, a debug line, and (approximate mode) that both
-        engines now hold the prompt."""
+        """Record the decision: metrics, a debug line, and that both engines will hold the
+        prompt (precise: expected until their events say so; approximate: remembered)."""
         m.observe_decision(decision)
         log.debug("%s", decision.describe())
-        if prompt is None or self.settings.precise(self.table()):
+        if prompt is None:
             return
+        precise = self.settings.precise(self.table())
         for engine in (decision.pair.prefill, decision.pair.decode):
-            capacity = engine.num_blocks or 1024
-            self.balancer.index.record(engine.engine_id, prompt.keys, capacity)
+            if precise:
+                self.balancer.index.expect(engine.engine_id, prompt.keys,
+                                           self.settings.expect_s)  # fmt: skip
+            else:
+                self.balancer.index.record(engine.engine_id, prompt.keys,
+                                           engine.num_blocks or 1024)  # fmt: skip
 
     # background: events and loads
     async def run(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
@@ -169,6 +177,7 @@ class CacheTracker:
             if engine_id not in self._subscribers:
                 task = asyncio.create_task(self._subscribe(ctx, engine_id, endpoint))
                 self._subscribers[engine_id] = (endpoint, task)
+        m.KV_EVENT_ENGINES.set(len(self._subscribers))
         if wanted:   # precise: forget engines that left (approximate keeps what it sent)
             for engine_id in self.balancer.index.engines():
                 if engine_id not in wanted:
@@ -226,7 +235,11 @@ class CacheTracker:
                                timeout=aiohttp.ClientTimeout(total=2)) as resp:  # fmt: skip
             if resp.status != 200:
                 return None
-            return parse_load(await resp.text())
+            text = await resp.text()
+        load = parse_load(text)
+        if load is None:
+            return None
+        return replace(load, ours=self.balancer.outstanding[engine.engine_id])
 
 
 def _bracket(host: str) -> str:

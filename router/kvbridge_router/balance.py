@@ -14,9 +14,10 @@ Two policies (``ChooserSettings.policy``):
                                           + block bytes / the pair's transport throughput)
            + queue at the prefill * queue_ms + queue at the decode * decode_queue_ms
 
-  where an engine's queue is the larger of the requests this front has in flight there and
-  the running plus waiting requests the engine itself reports (its ``/metrics``: other
-  fronts' requests count too). A balance guard comes first: an engine whose queue, with this
+  where an engine's queue is the requests this front has in flight there now, plus those of
+  other fronts: what the engine last reported running and waiting (its ``/metrics``) beyond
+  what this front had there at that moment (a report is up to a poll interval old; this
+  front's own count is exact). A balance guard comes first: an engine whose queue, with this
   request added, would exceed ``balance_factor`` times its role's mean is left out while
   another engine of that role is eligible, so a hot prefix cannot pile every request on one
   engine. A request without a prompt (nothing to match) is scored on load and transfer only.
@@ -73,6 +74,8 @@ class EngineLoad:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    #: this front's own requests at the engine when it reported (the rest are others')
+    ours: int = 0
 
 
 @dataclass(frozen=True)
@@ -182,10 +185,13 @@ class Balancer:
         return None
 
     def queue(self, engine: Engine) -> int:
-        """Requests ahead of a new one at ``engine``."""
-        reported = self.loads.get(engine.engine_id)
+        """Requests ahead of a new one at ``engine``: this front's now, others' as last
+        reported."""
         own = self.outstanding[engine.engine_id]
-        return max(own, reported.running + reported.waiting) if reported else own
+        reported = self.loads.get(engine.engine_id)
+        if reported is None:
+            return own
+        return own + max(reported.running + reported.waiting - reported.ours, 0)
 
     def _cheapest(self, table: RoutingTable, candidates: list[Engine],
                   avoid: Collection[tuple[str, str]], prompt: Prompt | None

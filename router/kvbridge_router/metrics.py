@@ -101,6 +101,9 @@ KV_EVENT_BLOCKS = Counter(
     "kvbridge_router_kv_event_blocks", "Blocks in the engines' KV events, by what the index "
     "did (stored, removed; orphaned: stored under a parent it never saw, not indexed)",
     ["action"], registry=REGISTRY)
+KV_EVENT_ENGINES = Gauge(
+    "kvbridge_router_kv_event_engines", "Engines whose KV events this front follows (precise "
+    "cache tracking)", registry=REGISTRY)
 KV_EVENT_ERRORS = Counter(
     "kvbridge_router_kv_event_errors", "KV event batches that made the index forget an "
     "engine's blocks (malformed; gap: a missed sequence number)", ["kind"], registry=REGISTRY)

@@ -11,7 +11,9 @@ engine holds, one index for both:
   unless every engine shares ``PYTHONHASHSEED``; a prompt's keys come from its token ids
   (the engines' ``/tokenize``) with the same function. A stored block whose parent the index
   never saw (an event missed) is skipped: the index may under-count, never claim a block an
-  engine lacks because of a lost event.
+  engine lacks because of a lost event. Events come after the work, though: a prompt sent to
+  an engine is *expected* there (``expect``) until a deadline, so that the requests behind it
+  that share its prefix follow it instead of computing it on another engine meanwhile.
 - **approximate** (``record``): without events, the router remembers the prompts it sent to
   each engine, keyed by fixed-size chunks of the prompt's text, and forgets the oldest past
   the engine's block capacity (LRU). It costs nothing at the engines but guesses: an engine
@@ -23,8 +25,9 @@ the blocks a request there need not compute (prefill) or pull (decode).
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 BlockKey = int
 #: the chain's start: the parent key of a prompt's first block
@@ -60,12 +63,15 @@ def text_block_keys(text: str, chars_per_block: int) -> list[BlockKey]:
 class PrefixIndex:
     """Block keys held per engine id, fed by KV events (precise) or by routing (approximate)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         #: precise: engine -> vLLM's block hash -> our key; and how many vLLM blocks hold a key
         self._by_hash: dict[str, dict[object, BlockKey]] = {}
         self._refs: dict[str, Counter[BlockKey]] = {}
         #: approximate: engine -> keys in least-recently-sent order
         self._recent: dict[str, OrderedDict[BlockKey, None]] = {}
+        #: precise, before the events: engine -> key -> the clock time it is expected until
+        self._expected: dict[str, dict[BlockKey, float]] = {}
         #: block size per engine, as its events state it (tokens)
         self.block_sizes: dict[str, int] = {}
 
@@ -108,6 +114,7 @@ class PrefixIndex:
         self._by_hash.pop(engine, None)
         self._refs.pop(engine, None)
         self._recent.pop(engine, None)
+        self._expected.pop(engine, None)
 
     def _release(self, engine: str, key: BlockKey) -> None:
         refs = self._refs[engine]
@@ -127,14 +134,28 @@ class PrefixIndex:
         while len(recent) > max(capacity, 0):
             recent.popitem(last=False)
 
+    def expect(self, engine: str, keys: Sequence[BlockKey], seconds: float) -> None:
+        """A request with ``keys`` was just sent to ``engine``: count them as held for
+        ``seconds``, by when its own events have said so (or it failed)."""
+        now = self.clock()
+        expected = self._expected.setdefault(engine, {})
+        if len(expected) > 4 * len(keys) + 1024:   # drop the lapsed now and then
+            for key in [k for k, until in expected.items() if until <= now]:
+                del expected[key]
+        until = now + seconds
+        for key in keys:
+            expected[key] = until
+
     # queries
     def held(self, engine: str, keys: Sequence[BlockKey]) -> int:
-        """How many leading blocks of ``keys`` ``engine`` holds."""
-        refs = self._refs.get(engine)
-        recent = self._recent.get(engine)
+        """How many leading blocks of ``keys`` ``engine`` holds (or is expected to)."""
+        refs = self._refs.get(engine) or {}
+        recent = self._recent.get(engine) or {}
+        expected = self._expected.get(engine) or {}
+        now = self.clock() if expected else 0.0
         count = 0
         for key in keys:
-            if (refs is None or key not in refs) and (recent is None or key not in recent):
+            if key not in refs and key not in recent and expected.get(key, 0.0) <= now:
                 break
             count += 1
         return count

@@ -130,7 +130,10 @@ def serving(cluster: Any, api: Api, operator: Any, tmp_path_factory: pytest.Temp
                      "KUBECONFIG": str(cluster.kubeconfig_for_token(token, f"{ns}-{name}")),
                      "KVBRIDGE_POD_LABELS_FILE": str(work / "no-labels"),
                      "KVBRIDGE_TRANSFER": "kvt", "KVBRIDGE_ROLE": role,
-                     "KVBRIDGE_SYNC_INTERVAL_S": "0.5"})  # fmt: skip
+                     "KVBRIDGE_SYNC_INTERVAL_S": "0.5"},
+                extra_args=["--kv-events-config", json.dumps({
+                    "enable_kv_cache_events": True, "publisher": "zmq",
+                    "endpoint": f"tcp://*:{free_port()}"})])  # fmt: skip
         started = time.monotonic()
         start_servers(*engines.values())
         log.info("four vllm serve processes up in %.0f s", time.monotonic() - started)
@@ -443,6 +446,118 @@ def test_the_picker_killed_fails_closed_and_recovers(gateway: Gateway) -> None:
         assert failed.value.code >= 500
     gw.start_picker()
     assert through_gateway(gw.url, prompt)[0] == s.references[prompt]
+
+
+@pytest.fixture(scope="module")
+def cache_router(serving: Serving) -> Iterator[str]:
+    """A second router over the same engines, cache-aware with precise tracking: the
+    engines' KV events (at the port each KVEndpoint states, which the connector read from
+    vLLM's --kv-events-config) and their /tokenize."""
+    s = serving
+    port = free_port()
+    log_path = s.work / "cache-router.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge_router", "--transfer", "kvt", "--namespace", s.ns,
+         "--host", "127.0.0.1", "--port", str(port), "--lease-seconds", str(LEASE_S),
+         "--kubeconfig", str(s.kubeconfig), "--policy", "cache-aware", "--log-level", "DEBUG"],
+        stdout=log_path.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"the cache-aware router exited: {log_path.read_text()}")
+        return vp.http_ok(f"{url}/health") and vp.get_json(f"{url}/health")["verifiedPairs"] == 2
+    try:
+        wait_for(up, timeout=60, what="the cache-aware router seeing both verified pairs")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def prompt_tokens(engine: OpenAIServer, source: str) -> float:
+    """vLLM's prompt tokens of one source (local_compute, local_cache_hit,
+    external_kv_transfer) so far."""
+    metrics = vp.scrape_url(f"{engine.url}/metrics")
+    return sum(v for k, v in metrics.items()
+               if k.startswith("vllm:prompt_tokens_by_source_total{") and
+               f'source="{source}"' in k)  # fmt: skip
+
+
+def test_cache_aware_routing_follows_a_shared_prefix_and_pulls_only_new_blocks(
+        api: Api, serving: Serving, cache_router: str) -> None:
+    """Requests that share a long prefix, through the cache-aware router: after the first,
+    each goes to the decode that holds the prefix (its KV events said so), that decode pulls
+    only the blocks past the prefix, the prefill computes only them, and the tokens are the
+    prefill's own for the whole prompt."""
+    s, url = serving, cache_router
+    prefill = s.engines["prefill-0"]
+    assert api.endpoint(s.ns, "prefill-0")["spec"]["kvEventsPort"] == int(
+        json.loads(prefill.argv[prefill.argv.index("--kv-events-config") + 1])["endpoint"]
+        .rsplit(":", 1)[1])
+    prefix = vp.prompts(1, seed=61, words=110)[0]
+    tokens = vp.post(f"{prefill.url}/tokenize", {"model": vp.MODEL, "prompt": prefix})["tokens"]
+    shared = (len(tokens) // 32 - 1) * 32          # full blocks surely shared (block size 32)
+    assert shared >= 320, len(tokens)
+    asked = [prefix + f" question {i}: " + q for i, q in enumerate(vp.prompts(4, 62, 6))]
+
+    def event_blocks() -> float:
+        return vp.metric_sum(vp.scrape_url(f"{url}/metrics"),
+                             "kvbridge_router_kv_event_blocks_total")  # fmt: skip
+
+    # The router follows all four engines' events (a subscriber sees what is published after
+    # it joined): a throwaway request until its blocks show up there.
+    wait_for(lambda: vp.metric_sum(vp.scrape_url(f"{url}/metrics"),
+                                   "kvbridge_router_kv_event_engines") == 4,
+             timeout=30, what="the router following four engines' KV events")  # fmt: skip
+    for attempt in range(10):
+        vp.post(f"{url}/v1/completions", vp.completion(f"warm-up {attempt} " * 20, 1))
+        deadline = time.monotonic() + 5
+        while not event_blocks() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if event_blocks():
+            break
+    assert event_blocks() > 0, "no KV event reached the router"
+    decodes = ("decode-0", "decode-1")
+    served: list[str] = []
+    answers = []
+    for i, prompt in enumerate(asked):
+        stored = event_blocks()
+        before = {n: {src: prompt_tokens(s.engines[n], src) for src in
+                      ("local_compute", "local_cache_hit", "external_kv_transfer")}
+                  for n in ("prefill-0", *decodes)}  # fmt: skip
+        answered = {d: answered_by(url, s.engine_id(d)) for d in decodes}
+        answers.append(vp.post(f"{url}/v1/completions", vp.completion(prompt, MAX_TOKENS)))
+        decode = next(d for d in decodes if answered_by(url, s.engine_id(d)) > answered[d])
+        served.append(decode)
+        if i > 0:
+            pulled = prompt_tokens(s.engines[decode], "external_kv_transfer") - \
+                before[decode]["external_kv_transfer"]
+            held = prompt_tokens(s.engines[decode], "local_cache_hit") - \
+                before[decode]["local_cache_hit"]
+            computed = prompt_tokens(prefill, "local_compute") - \
+                before["prefill-0"]["local_compute"]
+            length = len(vp.post(f"{prefill.url}/tokenize",
+                                 {"model": vp.MODEL, "prompt": prompt})["tokens"])  # fmt: skip
+            assert held >= shared, (i, held, shared)
+            assert 0 < pulled <= length - shared, (i, pulled, length)
+            assert computed <= length - shared, (i, computed, length)
+        # The next choice sees this request's blocks: the decode's KV events arrived.
+        wait_for(lambda b=stored: event_blocks() > b, timeout=30, interval=0.2,
+                 what="the engines' KV events at the router")
+    assert served[1:] == [served[0]] * 3, served
+    references = [vp.post(f"{prefill.url}/v1/completions", vp.completion(p, MAX_TOKENS))
+                  for p in asked]  # fmt: skip
+    assert [a["choices"][0]["token_ids"] for a in answers] == \
+        [r["choices"][0]["token_ids"] for r in references]
+    hits = {labels["role"]: n for labels, n in vp.router_series(
+        url, "kvbridge_router_pick_cache_hit_blocks_sum")}  # fmt: skip
+    assert hits["decode"] >= 3 * shared // 32 and hits["prefill"] >= 3 * shared // 32, hits
+
+
+def answered_by(router: str, decode_id: str) -> float:
+    return sum(n for labels, n in vp.router_series(router, "kvbridge_router_requests_total")
+               if labels["outcome"] == "answered" and labels["decode"] == decode_id)
 
 
 def test_a_decode_killed_under_load_never_answers_wrong_tokens(api: Api,

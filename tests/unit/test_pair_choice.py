@@ -96,6 +96,24 @@ def test_approximate_record_keeps_the_most_recent_up_to_capacity() -> None:
     assert index.held("p0", first) == 5
 
 
+def test_a_prompt_just_sent_is_expected_until_its_events_come() -> None:
+    """Precise tracking learns of blocks only after an engine computed them; meanwhile the
+    prompt counts as held where it was sent, for a while, so its prefix is not computed
+    twice by requests right behind it."""
+    now = [100.0]
+    index = PrefixIndex(clock=lambda: now[0])
+    keys = token_block_keys(PROMPT, BS)
+    index.expect("p0", keys, seconds=15)
+    assert index.held("p0", keys) == 10 and index.held("p1", keys) == 0
+    now[0] += 14
+    assert index.held("p0", [*keys[:4], 999]) == 4
+    now[0] += 2                                          # lapsed: only events count now
+    assert index.held("p0", keys) == 0
+    index.expect("p0", keys, seconds=15)
+    index.observe_cleared("p0")                          # the engine restarted or was reset
+    assert index.held("p0", keys) == 0
+
+
 # -- vLLM's event batches -------------------------------------------------------------------
 def batch(*events: dict[str, object]) -> bytes:
     """A batch as vLLM's ZMQ publisher encodes it (msgspec: array-like batch, tagged maps)."""
@@ -190,6 +208,20 @@ def test_load_outweighs_a_small_hit_not_a_large_one() -> None:
     stored(b.index, "p1", PROMPT)                       # 10 blocks: 10 ms saved ...
     b.loads["p0"] = EngineLoad(running=0, waiting=1)    # ... and p0 reports a queue too
     assert b.pick(t, prompt=prompt_of(PROMPT)).prefill.engine_id == "p1"
+
+
+def test_an_engines_report_counts_other_fronts_requests_not_ours_twice() -> None:
+    t = table({"d0": ("p0",)})
+    b = Balancer(CHOOSER)
+    p0 = t.engines["p0"]
+    b.outstanding["p0"] = 2
+    b.loads["p0"] = EngineLoad(running=5, waiting=1, ours=2)   # 4 from other routers
+    assert b.queue(p0) == 6
+    b.done(p0)
+    b.done(p0)                                                  # ours finished since
+    assert b.queue(p0) == 4
+    b.loads["p0"] = EngineLoad(running=1, ours=1)               # a stale report of ours
+    assert b.queue(p0) == 0
 
 
 def test_a_faster_transport_wins_when_the_rest_is_equal() -> None:

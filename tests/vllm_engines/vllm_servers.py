@@ -17,6 +17,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +51,13 @@ def connector_config(engine_id: str | None = None, **extra: Any) -> str:
 class OpenAIServer:
     """One ``vllm serve`` process: start, wait until ``/health`` answers, stop or kill.
     ``host``: the address it serves and advertises, one of its own on the loopback
-    (127.0.0.x) where a test needs engines told apart by address, as pods are."""
+    (127.0.0.x) where a test needs engines told apart by address, as pods are.
+    ``extra_args``: more ``vllm serve`` arguments, after the others."""
 
     def __init__(self, model: Path, log_dir: Path, name: str, *, env: dict[str, str] | None = None,
                  dtype: str = "float32", num_blocks: int = 256, max_num_seqs: int | None = None,
-                 connector: str | None = None, host: str = "127.0.0.1") -> None:  # fmt: skip
+                 connector: str | None = None, host: str = "127.0.0.1",
+                 max_model_len: int = 1024, extra_args: Sequence[str] = ()) -> None:  # fmt: skip
         self.name = name
         self.host = host
         self.port = free_port()
@@ -65,11 +68,12 @@ class OpenAIServer:
             vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", MODEL, "--host", host, "--port", str(self.port),
             "--dtype", dtype, "--enforce-eager", "--block-size", "32",
-            "--num-gpu-blocks-override", str(num_blocks), "--max-model-len", "1024",
+            "--num-gpu-blocks-override", str(num_blocks), "--max-model-len", str(max_model_len),
             "--kv-transfer-config", connector or connector_config(),
         ]  # fmt: skip
         if max_num_seqs is not None:
             self.argv += ["--max-num-seqs", str(max_num_seqs)]
+        self.argv += list(extra_args)
         base = {k: v for k, v in os.environ.items()
                 if k not in ("POD_NAME", "POD_UID", "KUBECONFIG")}  # fmt: skip
         self.env = {**base, **CPU_ENV, "PYTHONPATH": str(REPO / "agent"),
