@@ -94,6 +94,10 @@ def _choice(p: argparse.ArgumentParser) -> None:
     g.add_argument("--balance-factor", type=float, default=chooser.balance_factor,
                    help="cache-aware: no engine above this multiple of its role's mean "
                    "queue while another is below it (default %(default)s)")
+    g.add_argument("--balance-slack", type=float, default=chooser.balance_slack,
+                   help="cache-aware: ... and more than this many requests above it, so that "
+                   "a small mean does not forbid a second request to the engine holding a "
+                   "prefix (default %(default)s)")
     g.add_argument("--transport-gbps", default="",
                    help="cache-aware: throughput per transport for the transfer estimate, "
                    "e.g. 'tcp=1.2,cma=9' (defaults: tcp 1, shared memory 10, RDMA 20, "
@@ -130,7 +134,8 @@ def _choice_settings(args: argparse.Namespace, p: argparse.ArgumentParser
     try:
         chooser = ChooserSettings(
             args.policy, args.prefill_ms_per_block, args.queue_ms, args.pull_ms_per_block,
-            args.decode_queue_ms, args.balance_factor, _gbps(args.transport_gbps, p))
+            args.decode_queue_ms, args.balance_factor, args.balance_slack,
+            _gbps(args.transport_gbps, p))
     except ValueError as exc:
         p.error(f"--{str(exc).replace('_', '-')}")
     if args.load_interval_seconds <= 0:

@@ -9,7 +9,8 @@ Two policies (``ChooserSettings.policy``):
 - ``cache-aware``: every verified pair gets an estimated cost in milliseconds, and the
   cheapest wins::
 
-      cost = (prompt blocks - blocks the prefill holds) * prefill_ms_per_block
+      cost = (prompt blocks - blocks the prefill holds
+              + blocks still to compute for its requests in flight) * prefill_ms_per_block
            + (blocks the decode lacks) * (pull_ms_per_block
                                           + block bytes / the pair's transport throughput)
            + queue at the prefill * queue_ms + queue at the decode * decode_queue_ms
@@ -17,12 +18,17 @@ Two policies (``ChooserSettings.policy``):
   where an engine's queue is the requests this front has in flight there now, plus those of
   other fronts: what the engine last reported running and waiting (its ``/metrics``) beyond
   what this front had there at that moment (a report is up to a poll interval old; this
-  front's own count is exact). A balance guard comes first: an engine whose queue, with this
-  request added, would exceed ``balance_factor`` times its role's mean is left out while
-  another engine of that role is eligible, so a hot prefix cannot pile every request on one
-  engine. A request without a prompt (nothing to match) is scored on load and transfer only.
-  A prefill's queue weighs more than a decode's: prompts are computed one batch after
-  another, while a decode adds a new request to the batch it is already running.
+  front's own count is exact). A prefill's wait is its work, not its request count: a request
+  whose prefix it holds computes a few blocks, a cold one the whole prompt, so the blocks
+  each request in flight there was chosen to compute count too. A balance guard comes first:
+  an engine whose queue with this request added would exceed both ``balance_factor`` times
+  its role's mean and that mean plus ``balance_slack`` requests is left out while another
+  engine of that role is within it, so a hot prefix cannot pile every request on one engine
+  (the slack keeps a mean of one or two requests from forbidding a second request on the
+  engine that holds the prefix). A request without a prompt (nothing to
+  match) is scored on load and transfer only. A prefill's queue weighs more than a decode's:
+  prompts are computed one batch after another, while a decode adds a new request to the
+  batch it is already running.
 
 Ties go round-robin (by a rotating offset), so idle engines share the first requests instead
 of the alphabetically first one taking them all.
@@ -51,6 +57,9 @@ UNKNOWN_GBPS = 1.0
 class Pair:
     decode: Engine
     prefill: Engine
+    #: the prompt blocks the prefill was chosen to compute (cache-aware; 0 otherwise): its
+    #: work while the request is in flight there
+    prefill_blocks: int = field(default=0, compare=False)
 
     @property
     def label(self) -> str:
@@ -90,8 +99,10 @@ class ChooserSettings:
     pull_ms_per_block: float = 0.1
     #: what one request already at a decode adds to a new one's first token (ms)
     decode_queue_ms: float = 2.0
-    #: no engine's queue above this multiple of its role's mean (with the new request)
+    #: no engine's queue above this multiple of its role's mean (with the new request) ...
     balance_factor: float = 1.5
+    #: ... when it is also more than this many requests above that mean
+    balance_slack: float = 2.0
     #: throughput by transport family (GB/s) for the transfer estimate
     transport_gbps: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_GBPS))
 
@@ -99,7 +110,8 @@ class ChooserSettings:
         if self.policy not in POLICIES:
             raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, "
                              f"got {self.policy!r}")  # fmt: skip
-        for name in ("prefill_ms_per_block", "queue_ms", "pull_ms_per_block", "decode_queue_ms"):
+        for name in ("prefill_ms_per_block", "queue_ms", "pull_ms_per_block", "decode_queue_ms",
+                     "balance_slack"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected a number >= 0, got {getattr(self, name)}")
         if self.balance_factor < 1:
@@ -148,6 +160,8 @@ class Balancer:
     #: what each engine reports of its load, by engine id (cache-aware)
     loads: dict[str, EngineLoad] = field(default_factory=dict)
     outstanding: Counter[str] = field(default_factory=Counter)
+    #: prompt blocks still to compute per prefill engine id, for its requests in flight
+    work: Counter[str] = field(default_factory=Counter)
     _turn: int = 0
 
     def pick(self, table: RoutingTable, avoid: Collection[tuple[str, str]] = (),
@@ -210,15 +224,23 @@ class Balancer:
         return scored[best]
 
     def _within_guard(self, pair: Pair, pairs: list[Pair], queues: Mapping[str, int]) -> bool:
-        """Both engines of ``pair`` stay within ``balance_factor`` of their role's mean queue
-        once this request joins them (an idle engine always does)."""
+        """Both engines of ``pair`` stay within the guard once this request joins them: their
+        queue at most ``balance_factor`` times their role's mean, or at most
+        ``balance_slack`` requests above it."""
+        s = self.settings
         for engine, role in ((pair.decode, "decode"), (pair.prefill, "prefill")):
             peers = {(p.decode if role == "decode" else p.prefill).engine_id for p in pairs}
-            load = queues[engine.engine_id]
+            load = queues[engine.engine_id] + 1
             mean = (sum(queues[e] for e in peers) + 1) / len(peers)
-            if load > 0 and load + 1 > self.settings.balance_factor * mean:
+            if load > s.balance_factor * mean and load > mean + s.balance_slack:
                 return False
         return True
+
+    def _wait_ms(self, prefill: Engine, queues: Mapping[str, int]) -> float:
+        """What a new request waits at ``prefill`` for the work already there."""
+        s = self.settings
+        return (self.work[prefill.engine_id] * s.prefill_ms_per_block
+                + queues[prefill.engine_id] * s.queue_ms)
 
     def _score(self, table: RoutingTable, pair: Pair, prompt: Prompt | None,
                queues: Mapping[str, int]) -> Decision:  # fmt: skip
@@ -227,20 +249,27 @@ class Balancer:
         blocks = prompt.blocks if prompt else 0
         prefill_hit = self.index.held(pair.prefill.engine_id, keys)
         decode_hit = self.index.held(pair.decode.engine_id, keys)
+        prefill_blocks = len(keys) - prefill_hit
         pull_blocks = max(blocks - decode_hit, 0)
         pull_bytes = pull_blocks * pair.decode.block_bytes
         gbps = s.gbps(table.transport(pair.decode.engine_id, pair.prefill.engine_id))
         transfer_ms = pull_bytes / (gbps * 1e6) + pull_blocks * s.pull_ms_per_block
         queue_p, queue_d = queues[pair.prefill.engine_id], queues[pair.decode.engine_id]
-        cost = ((len(keys) - prefill_hit) * s.prefill_ms_per_block + transfer_ms
-                + queue_p * s.queue_ms + queue_d * s.decode_queue_ms)  # fmt: skip
-        return Decision(pair, "cache-aware", blocks, prefill_hit, decode_hit, pull_bytes,
+        cost = (prefill_blocks * s.prefill_ms_per_block + self._wait_ms(pair.prefill, queues)
+                + transfer_ms + queue_d * s.decode_queue_ms)  # fmt: skip
+        chosen = Pair(pair.decode, pair.prefill, prefill_blocks)
+        return Decision(chosen, "cache-aware", blocks, prefill_hit, decode_hit, pull_bytes,
                         transfer_ms, queue_p + queue_d, cost)  # fmt: skip
 
-    def start(self, engine: Engine) -> None:
+    def start(self, engine: Engine, blocks: int = 0) -> None:
+        """A request is in flight at ``engine``, with ``blocks`` of prompt to compute."""
         self.outstanding[engine.engine_id] += 1
+        if blocks:
+            self.work[engine.engine_id] += blocks
 
-    def done(self, engine: Engine) -> None:
-        self.outstanding[engine.engine_id] -= 1
-        if self.outstanding[engine.engine_id] <= 0:
-            del self.outstanding[engine.engine_id]
+    def done(self, engine: Engine, blocks: int = 0) -> None:
+        for counts, n in ((self.outstanding, 1), (self.work, blocks)):
+            if n:
+                counts[engine.engine_id] -= n
+                if counts[engine.engine_id] <= 0:
+                    del counts[engine.engine_id]

@@ -232,7 +232,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             self.tracker.chosen(decision.decision, prompt)
         self._last_refusal = ""
         self.balancer.start(pair.decode)
-        self.balancer.start(pair.prefill)
+        self.balancer.start(pair.prefill, pair.prefill_blocks)
         m.PICKS.labels("picked", pair.prefill.engine_id, pair.decode.engine_id).inc()
         metadata = struct_pb2.Struct()
         metadata.update({LB_NAMESPACE: {"x-gateway-destination-endpoint": decision.destination}})
@@ -243,7 +243,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
 
     def _release(self, pair: Pair) -> None:
         self.balancer.done(pair.decode)
-        self.balancer.done(pair.prefill)
+        self.balancer.done(pair.prefill, pair.prefill_blocks)
 
 
 async def serve_grpc(picker: EndpointPicker, address: str, synced: Callable[[], bool],

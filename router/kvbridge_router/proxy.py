@@ -405,7 +405,8 @@ class Router:
     async def _attempt(self, path: str, body: dict[str, Any], pair: Pair) -> Upstream:
         self._start(pair.decode)    # from the pick on: concurrent picks see it taken
         try:
-            params, answered_at = await self._prefill(path, body, pair.prefill)
+            params, answered_at = await self._prefill(path, body, pair.prefill,
+                                                      pair.prefill_blocks)  # fmt: skip
             if not fresh_enough(answered_at, time.monotonic(), self.settings.lease_s,
                                 self.settings.lease_margin_s):
                 raise UpstreamError("lease", "the prefill's answer is older than its lease "
@@ -417,10 +418,12 @@ class Router:
         upstream.on_close(lambda: self._done(pair.decode))
         return upstream
 
-    async def _prefill(self, path: str, body: dict[str, Any], engine: Engine
+    async def _prefill(self, path: str, body: dict[str, Any], engine: Engine, blocks: int = 0
                        ) -> tuple[dict[str, Any], float]:  # fmt: skip
+        """The prefill's ``kv_transfer_params`` and when they came; ``blocks``: the prompt
+        blocks it was chosen to compute (its work while the call lasts)."""
         assert self.session is not None
-        self._start(engine)
+        self._start(engine, blocks)
         began = time.monotonic()
         try:
             async with self.session.post(
@@ -440,7 +443,7 @@ class Router:
             raise UpstreamError("prefill", f"prefill {engine.engine_id}: "
                                 f"{type(exc).__name__}: {exc}") from exc
         finally:
-            self._done(engine)
+            self._done(engine, blocks)
         m.PREFILL_SECONDS.observe(time.monotonic() - began)
         return params, time.monotonic()
 
@@ -649,12 +652,12 @@ class Router:
             gauge = self._outstanding[key] = m.OUTSTANDING.labels(*key)
         return gauge
 
-    def _start(self, engine: Engine) -> None:
-        self.balancer.start(engine)
+    def _start(self, engine: Engine, blocks: int = 0) -> None:
+        self.balancer.start(engine, blocks)
         self._gauge(engine).inc()
 
-    def _done(self, engine: Engine) -> None:
-        self.balancer.done(engine)
+    def _done(self, engine: Engine, blocks: int = 0) -> None:
+        self.balancer.done(engine, blocks)
         self._gauge(engine).dec()
 
 
