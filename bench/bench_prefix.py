@@ -91,6 +91,7 @@ from vllm_servers import OpenAIServer, connector_config, start_servers  # noqa: 
 
 from _common import emit  # noqa: E402
 from kvbridge_agent._testmodel import CONFIG, write_test_model  # noqa: E402
+from kvbridge_router.balance import ChooserSettings  # noqa: E402
 from kvbridge_testkit.cluster import free_port  # noqa: E402
 
 REQUESTS = int(os.environ.get("KVB_BENCH_PREFIX_REQUESTS", "200"))
@@ -523,7 +524,8 @@ async def calibrate(s: aiohttp.ClientSession, engines: dict[str, OpenAIServer],
          "measured: (cold - cached prefill call) / prompt blocks", 1.0,
          queue_ms=calib.queue_ms, cma_gbps=calib.cma_gbps,
          pull_ms=[round(x * 1e3, 1) for x in pull], pull_bytes=pulled_bytes,
-         balance_factor=BALANCE_FACTOR, loadavg_1m=load)  # fmt: skip
+         balance_factor=BALANCE_FACTOR, balance_slack=ChooserSettings().balance_slack,
+         eviction_weight=ChooserSettings().eviction_weight, loadavg_1m=load)  # fmt: skip
     return calib
 
 

@@ -91,6 +91,10 @@ def _choice(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-queue-ms", type=float, default=chooser.decode_queue_ms,
                    help="cache-aware: what one request already at a decode adds "
                    "(default %(default)s)")
+    g.add_argument("--eviction-weight", type=float, default=chooser.eviction_weight,
+                   help="cache-aware: what evicting one block from a prefill whose cache is "
+                   "full costs, in blocks of compute (the recomputation it is likely to cause "
+                   "a later prompt); 0: evictions are free (default %(default)s)")
     g.add_argument("--balance-factor", type=float, default=chooser.balance_factor,
                    help="cache-aware: no engine above this multiple of its role's mean "
                    "queue while another is below it (default %(default)s)")
@@ -133,9 +137,11 @@ def _choice_settings(args: argparse.Namespace, p: argparse.ArgumentParser
                      ) -> tuple[ChooserSettings, TrackingSettings]:  # fmt: skip
     try:
         chooser = ChooserSettings(
-            args.policy, args.prefill_ms_per_block, args.queue_ms, args.pull_ms_per_block,
-            args.decode_queue_ms, args.balance_factor, args.balance_slack,
-            _gbps(args.transport_gbps, p))
+            policy=args.policy, prefill_ms_per_block=args.prefill_ms_per_block,
+            queue_ms=args.queue_ms, pull_ms_per_block=args.pull_ms_per_block,
+            decode_queue_ms=args.decode_queue_ms, eviction_weight=args.eviction_weight,
+            balance_factor=args.balance_factor, balance_slack=args.balance_slack,
+            transport_gbps=_gbps(args.transport_gbps, p))
     except ValueError as exc:
         p.error(f"--{str(exc).replace('_', '-')}")
     if args.load_interval_seconds <= 0:

@@ -6,7 +6,12 @@ each engine reports of its load, and each request's prompt as blocks (balance.py
   subscriber per such engine (``tcp://<engine host>:<port>``) feeds the prefix index
   (kv_events.py); a prompt's blocks come from its token ids, which the engines' ``/tokenize``
   returns (one extra HTTP round trip to a prefill per request; prompts sent as token ids
-  need none). Engines without events are never credited with a hit. A subscriber that
+  need none). A prompt whose opening (its first block's worth of text) no earlier prompt
+  through this front had cannot share a cached prefix with one, so it skips that round
+  trip: it is chosen on load and room, and tokenized after the choice, off its path, so
+  that the prompts behind it that share it find it expected where it went (a front
+  restarted, or a prefix cached by other fronts' traffic, costs the first such prompt its
+  hit). Engines without events are never credited with a hit. A subscriber that
   misses a batch (a gap in the sequence numbers) or loses its engine forgets that engine's
   blocks and starts over: under-counting costs a cache hit, over-counting would send
   requests to an engine that lacks the blocks.
@@ -23,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -56,6 +62,9 @@ class TrackingSettings:
     #: KV events arrive (they come once the engine has computed or pulled it)
     expect_s: float = 15.0
     tokenize_timeout_s: float = 5.0
+    #: precise: how many prompt openings are remembered, to tell a prompt that may share a
+    #: cached prefix (tokenized before the choice) from one that cannot (after it)
+    openings: int = 65536
 
     def events_port(self, engine: Engine) -> int:
         return engine.kv_events_port or self.kv_events_port
@@ -76,6 +85,11 @@ class CacheTracker:
         self.engine_port = engine_port
         self._subscribers: dict[str, tuple[str, asyncio.Task[None]]] = {}
         self._turn = 0
+        #: hashes of the openings of the prompts seen, least recent first
+        self._openings: OrderedDict[int, None] = OrderedDict()
+        self._session: aiohttp.ClientSession | None = None
+        #: tokenizations of deferred prompts under way
+        self._deferred: set[asyncio.Task[None]] = set()
 
     def url(self, engine: Engine, path: str) -> str:
         return f"http://{engine.host}:{engine.port or self.engine_port}{path}"
@@ -91,13 +105,29 @@ class CacheTracker:
             text = prompts.prompt_text(body)
             keys = text_block_keys(text, chars)
             return Prompt(tuple(keys), math.ceil(len(text) / chars)) if text else None
+        self._session = session
         tokens = prompts.token_ids(body)
         if tokens is None:
-            tokens = await self._tokenize(session, body, table)
+            request = prompts.tokenize_request(body)
+            chars = max(1, round(block_size * self.settings.chars_per_token))
+            text = prompts.prompt_text(body)
+            if request is not None and text and self._first_opening(text[:chars]):
+                return Prompt((), math.ceil(len(text) / chars), deferred=request)
+            tokens = await self._tokenize(session, request, table)
         if tokens is None:
             return None
         return Prompt(tuple(token_block_keys(tokens, block_size)),
                       math.ceil(len(tokens) / block_size))  # fmt: skip
+
+    def _first_opening(self, opening: str) -> bool:
+        """Whether no prompt seen before began with ``opening``; remembers it."""
+        key = hash(opening)
+        seen = key in self._openings
+        self._openings[key] = None
+        self._openings.move_to_end(key)
+        while len(self._openings) > self.settings.openings:
+            self._openings.popitem(last=False)
+        return not seen
 
     def _block_size(self, table: RoutingTable) -> int:
         """The block size the engines hash by: as their KV events state it, else as their
@@ -107,9 +137,9 @@ class CacheTracker:
         sizes = [s for s in sizes if s]
         return min(sizes) if sizes else self.settings.default_block_size
 
-    async def _tokenize(self, session: aiohttp.ClientSession, body: dict[str, Any],
+    async def _tokenize(self, session: aiohttp.ClientSession, request: dict[str, Any] | None,
                         table: RoutingTable) -> list[int] | None:  # fmt: skip
-        request = prompts.tokenize_request(body)
+        """The token ids an engine's ``/tokenize`` gives ``request`` (prefills in turn)."""
         prefills = sorted({p.engine_id: p for d in table.decodes()
                            for p in table.prefills_of(d.engine_id)}.items())  # fmt: skip
         if request is None or not prefills:
@@ -137,7 +167,15 @@ class CacheTracker:
         log.debug("%s", decision.describe())
         if prompt is None:
             return
-        precise = self.settings.precise(self.table())
+        table = self.table()
+        precise = self.settings.precise(table)
+        if prompt.deferred is not None:
+            if precise and self._session is not None:
+                task = asyncio.create_task(self._expect_later(
+                    self._session, dict(prompt.deferred), decision, table))
+                self._deferred.add(task)
+                task.add_done_callback(self._deferred.discard)
+            return
         for engine in (decision.pair.prefill, decision.pair.decode):
             if precise:
                 self.balancer.index.expect(engine.engine_id, prompt.keys,
@@ -145,6 +183,16 @@ class CacheTracker:
             else:
                 self.balancer.index.record(engine.engine_id, prompt.keys,
                                            engine.num_blocks or 1024)  # fmt: skip
+
+    async def _expect_later(self, session: aiohttp.ClientSession, request: dict[str, Any],
+                            decision: Decision, table: RoutingTable) -> None:  # fmt: skip
+        """A deferred prompt's keys, expected at the engines it went to once known."""
+        tokens = await self._tokenize(session, request, table)
+        if tokens is None:
+            return
+        keys = token_block_keys(tokens, self._block_size(table))
+        for engine in (decision.pair.prefill, decision.pair.decode):
+            self.balancer.index.expect(engine.engine_id, keys, self.settings.expect_s)
 
     # background: events and loads
     async def run(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
@@ -158,10 +206,10 @@ class CacheTracker:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.settings.load_interval_s)
         finally:
-            for _endpoint, task in self._subscribers.values():
+            tasks = [t for _e, t in self._subscribers.values()] + list(self._deferred)
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*(t for _e, t in self._subscribers.values()),
-                                 return_exceptions=True)  # fmt: skip
+            await asyncio.gather(*tasks, return_exceptions=True)
             if ctx is not None:
                 ctx.destroy(linger=0)
 

@@ -10,7 +10,8 @@ Two policies (``ChooserSettings.policy``):
   cheapest wins::
 
       cost = (prompt blocks - blocks the prefill holds
-              + blocks still to compute for its requests in flight) * prefill_ms_per_block
+              + blocks still to compute for its requests in flight
+              + blocks it must evict to store them * eviction_weight) * prefill_ms_per_block
            + (blocks the decode lacks) * (pull_ms_per_block
                                           + block bytes / the pair's transport throughput)
            + queue at the prefill * queue_ms + queue at the decode * decode_queue_ms
@@ -20,7 +21,12 @@ Two policies (``ChooserSettings.policy``):
   what this front had there at that moment (a report is up to a poll interval old; this
   front's own count is exact). A prefill's wait is its work, not its request count: a request
   whose prefix it holds computes a few blocks, a cold one the whole prompt, so the blocks
-  each request in flight there was chosen to compute count too. A balance guard comes first:
+  each request in flight there was chosen to compute count too. A prefill whose pool is full
+  (its ``num_blocks`` less the blocks its index holds and those its requests in flight are
+  storing) must evict a block for every new one, and an evicted block is one a later prompt
+  computes again: each costs ``eviction_weight`` blocks of compute. So a prompt is computed
+  anew on a second engine only when the wait at the one holding it outweighs both, and a
+  new prefix goes where there is room for it. A balance guard comes first:
   an engine whose queue with this request added would exceed both ``balance_factor`` times
   its role's mean and that mean plus ``balance_slack`` requests is left out while another
   engine of that role is within it, so a hot prefix cannot pile every request on one engine
@@ -39,6 +45,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .prefix import BlockKey, PrefixIndex
 from .table import Engine, RoutingTable
@@ -74,6 +81,10 @@ class Prompt:
     keys: tuple[BlockKey, ...]
     #: the blocks it fills, a partial last one included: what a decode holding none pulls
     blocks: int
+    #: a prompt whose opening no earlier one shared (precise tracking): chosen without its
+    #: keys, as it can be held nowhere, and tokenized after the choice with this ``/tokenize``
+    #: request, so that the prompts behind it find it expected where it went
+    deferred: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -99,10 +110,13 @@ class ChooserSettings:
     pull_ms_per_block: float = 0.1
     #: what one request already at a decode adds to a new one's first token (ms)
     decode_queue_ms: float = 2.0
+    #: what evicting one block from a full prefill costs, in blocks of compute: the
+    #: recomputation it is likely to cause a later prompt
+    eviction_weight: float = 1.0
     #: no engine's queue above this multiple of its role's mean (with the new request) ...
     balance_factor: float = 1.5
     #: ... when it is also more than this many requests above that mean
-    balance_slack: float = 2.0
+    balance_slack: float = 3.0
     #: throughput by transport family (GB/s) for the transfer estimate
     transport_gbps: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_GBPS))
 
@@ -111,7 +125,7 @@ class ChooserSettings:
             raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, "
                              f"got {self.policy!r}")  # fmt: skip
         for name in ("prefill_ms_per_block", "queue_ms", "pull_ms_per_block", "decode_queue_ms",
-                     "balance_slack"):
+                     "eviction_weight", "balance_slack"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected a number >= 0, got {getattr(self, name)}")
         if self.balance_factor < 1:
@@ -142,12 +156,14 @@ class Decision:
     transfer_ms: float = 0.0
     queue: int = 0
     cost_ms: float = 0.0
+    #: blocks the prefill is estimated to evict to store the ones it computes
+    evict_blocks: int = 0
 
     def describe(self) -> str:
         return (f"pair {self.pair.label} ({self.policy}): cost {self.cost_ms:.1f} ms, prompt "
                 f"{self.prompt_blocks} blocks, held by prefill {self.prefill_hit_blocks} and "
-                f"decode {self.decode_hit_blocks}, pull {self.pull_bytes} B "
-                f"({self.transfer_ms:.2f} ms), queue {self.queue}")  # fmt: skip
+                f"decode {self.decode_hit_blocks}, evicts {self.evict_blocks}, pull "
+                f"{self.pull_bytes} B ({self.transfer_ms:.2f} ms), queue {self.queue}")  # fmt: skip
 
 
 @dataclass
@@ -249,17 +265,30 @@ class Balancer:
         blocks = prompt.blocks if prompt else 0
         prefill_hit = self.index.held(pair.prefill.engine_id, keys)
         decode_hit = self.index.held(pair.decode.engine_id, keys)
-        prefill_blocks = len(keys) - prefill_hit
+        # a deferred prompt's keys are not known yet: held nowhere, all of it to compute
+        deferred = prompt is not None and prompt.deferred is not None
+        prefill_blocks = blocks if deferred else len(keys) - prefill_hit
         pull_blocks = max(blocks - decode_hit, 0)
         pull_bytes = pull_blocks * pair.decode.block_bytes
         gbps = s.gbps(table.transport(pair.decode.engine_id, pair.prefill.engine_id))
         transfer_ms = pull_bytes / (gbps * 1e6) + pull_blocks * s.pull_ms_per_block
         queue_p, queue_d = queues[pair.prefill.engine_id], queues[pair.decode.engine_id]
-        cost = (prefill_blocks * s.prefill_ms_per_block + self._wait_ms(pair.prefill, queues)
-                + transfer_ms + queue_d * s.decode_queue_ms)  # fmt: skip
+        evict = self.evictions(pair.prefill, prefill_blocks)
+        cost = ((prefill_blocks + evict * s.eviction_weight) * s.prefill_ms_per_block
+                + self._wait_ms(pair.prefill, queues) + transfer_ms
+                + queue_d * s.decode_queue_ms)  # fmt: skip
         chosen = Pair(pair.decode, pair.prefill, prefill_blocks)
         return Decision(chosen, "cache-aware", blocks, prefill_hit, decode_hit, pull_bytes,
-                        transfer_ms, queue_p + queue_d, cost)  # fmt: skip
+                        transfer_ms, queue_p + queue_d, cost, evict)  # fmt: skip
+
+    def evictions(self, prefill: Engine, blocks: int) -> int:
+        """Blocks ``prefill`` must evict to store ``blocks`` new ones: beyond its free room,
+        its pool less what its index holds and what its requests in flight will store.
+        0 where its pool size is not known."""
+        if blocks <= 0 or prefill.num_blocks <= 0:
+            return 0
+        used = self.index.blocks(prefill.engine_id) + self.work[prefill.engine_id]
+        return max(blocks - max(prefill.num_blocks - used, 0), 0)
 
     def start(self, engine: Engine, blocks: int = 0) -> None:
         """A request is in flight at ``engine``, with ``blocks`` of prompt to compute."""

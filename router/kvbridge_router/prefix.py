@@ -13,7 +13,10 @@ engine holds, one index for both:
   never saw (an event missed) is skipped: the index may under-count, never claim a block an
   engine lacks because of a lost event. Events come after the work, though: a prompt sent to
   an engine is *expected* there (``expect``) until a deadline, so that the requests behind it
-  that share its prefix follow it instead of computing it on another engine meanwhile.
+  that share its prefix follow it instead of computing it on another engine meanwhile. The
+  engine's own word ends an expectation early: once an event stores or removes a block, the
+  events alone say whether it is held (an expectation renewed by every request would
+  otherwise hide the eviction of a prefix that is still being asked for).
 - **approximate** (``record``): without events, the router remembers the prompts it sent to
   each engine, keyed by fixed-size chunks of the prompt's text, and forgets the oldest past
   the engine's block capacity (LRU). It costs nothing at the engines but guesses: an engine
@@ -92,6 +95,7 @@ class PrefixIndex:
             return 0
         tokens = list(token_ids)[:len(block_hashes) * block_size]
         keys = token_block_keys(tokens, block_size, _hashable(extra_keys), parent)
+        self._settle(engine, keys)
         for vllm_hash, key in zip(block_hashes, keys, strict=False):
             old = hashes.get(vllm_hash)
             if old == key:
@@ -104,10 +108,17 @@ class PrefixIndex:
 
     def observe_removed(self, engine: str, block_hashes: Sequence[object]) -> None:
         hashes = self._by_hash.get(engine, {})
-        for vllm_hash in block_hashes:
-            key = hashes.pop(vllm_hash, None)
-            if key is not None:
-                self._release(engine, key)
+        gone = [key for key in (hashes.pop(h, None) for h in block_hashes) if key is not None]
+        for key in gone:
+            self._release(engine, key)
+        self._settle(engine, gone)
+
+    def _settle(self, engine: str, keys: Sequence[BlockKey]) -> None:
+        """The engine's events spoke of ``keys``: they are no longer merely expected."""
+        expected = self._expected.get(engine)
+        if expected:
+            for key in keys:
+                expected.pop(key, None)
 
     def observe_cleared(self, engine: str) -> None:
         """AllBlocksCleared, a reconnect that may have missed events, or an engine gone."""

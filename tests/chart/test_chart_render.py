@@ -1135,11 +1135,13 @@ def test_gateway_example_fits_the_serving_pods() -> None:
 
 DEFAULT_PAIR_CHOICE_ARGS = [
     "--policy=least-load", "--prefill-ms-per-block=1", "--queue-ms=10",
-    "--pull-ms-per-block=0.1", "--decode-queue-ms=2", "--balance-factor=1.5",
-    "--balance-slack=2", "--kv-events-port=0", "--load-interval-seconds=1", "--chars-per-token=4"]
+    "--pull-ms-per-block=0.1", "--decode-queue-ms=2", "--eviction-weight=1",
+    "--balance-factor=1.5", "--balance-slack=3", "--kv-events-port=0",
+    "--load-interval-seconds=1", "--chars-per-token=4"]
 CUSTOM_PAIR_CHOICE_ARGS = [
     "--policy=cache-aware", "--prefill-ms-per-block=0.25", "--queue-ms=0",
-    "--pull-ms-per-block=0.5", "--decode-queue-ms=3", "--balance-factor=2",
+    "--pull-ms-per-block=0.5", "--decode-queue-ms=3", "--eviction-weight=2.5",
+    "--balance-factor=2",
     "--balance-slack=1", "--transport-gbps=cma=9,rc_mlx5=25,tcp=1.2", "--kv-events-port=5557",
     "--load-interval-seconds=0.5", "--chars-per-token=3.5"]
 
@@ -1199,7 +1201,8 @@ def test_pair_choice_reaches_the_router_and_the_picker(rendered: dict) -> None:
     assert {a.split("=", 1)[0] for a in CUSTOM_PAIR_CHOICE_ARGS} == set(_pair_choice_flags())
     assert _pair_choice(router) == _pair_choice(picker) == {
         "policy": "cache-aware", "prefill_ms_per_block": 0.25, "queue_ms": 0.0,
-        "pull_ms_per_block": 0.5, "decode_queue_ms": 3.0, "balance_factor": 2.0,
+        "pull_ms_per_block": 0.5, "decode_queue_ms": 3.0, "eviction_weight": 2.5,
+        "balance_factor": 2.0,
         "balance_slack": 1.0, "transport_gbps": "cma=9,rc_mlx5=25,tcp=1.2",
         "kv_events_port": 5557, "load_interval_seconds": 0.5, "chars_per_token": 3.5}
     # The other flags stay where they were.

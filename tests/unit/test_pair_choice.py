@@ -114,6 +114,23 @@ def test_a_prompt_just_sent_is_expected_until_its_events_come() -> None:
     assert index.held("p0", keys) == 0
 
 
+def test_an_expectation_ends_when_the_engines_events_speak() -> None:
+    """Once an engine's events stored or removed a block, they alone say whether it is held:
+    an expectation renewed by every request must not hide the eviction of a prefix."""
+    now = [100.0]
+    index = PrefixIndex(clock=lambda: now[0])
+    keys = token_block_keys(PROMPT, BS)
+    index.expect("p0", keys, seconds=15)
+    stored(index, "p0", PROMPT[:16])                     # 4 blocks stored, 6 still expected
+    assert index.held("p0", keys) == 10
+    index.observe_removed("p0", [b"h0"])                 # the first block evicted
+    assert index.held("p0", keys) == 0
+    stored(index, "p0", PROMPT[:16], salt="again")       # computed again
+    index.expect("p0", keys, seconds=15)                 # and asked for again
+    index.observe_removed("p0", [b"again2", b"h2"])      # its third block evicted
+    assert index.held("p0", keys) == 2
+
+
 # -- vLLM's event batches -------------------------------------------------------------------
 def batch(*events: dict[str, object]) -> bytes:
     """A batch as vLLM's ZMQ publisher encodes it (msgspec: array-like batch, tagged maps)."""
@@ -252,6 +269,57 @@ def test_the_guard_leaves_room_above_a_small_mean() -> None:
     assert strict.pick(t, prompt=prompt_of(PROMPT)).prefill.engine_id == "p1"
 
 
+def fill(index: PrefixIndex, eid: str, blocks: int) -> None:
+    """``eid`` caches ``blocks`` blocks of prompts no test asks for."""
+    stored(index, eid, list(range(10_000, 10_000 + blocks * BS)), salt=f"{eid}-other")
+
+
+def test_evicting_from_a_full_prefill_costs_what_it_will_recompute() -> None:
+    """p0 holds the prompt but has a request in flight; p1's cache is full. Computing the
+    prompt at p1 would be quicker than waiting at p0 if evictions were free, but each block
+    p1 stores evicts one a later prompt computes again: the prompt stays at p0."""
+    t = table({"d0": ("p0", "p1")})
+    b = Balancer(CHOOSER)
+    stored(b.index, "p0", PROMPT)
+    fill(b.index, "p1", 64)                              # its whole pool (engine(): 64)
+    b.start(t.engines["p0"], blocks=3)                   # 3 + 10 ms of wait at p0
+    decision = b.decide(t, prompt=prompt_of(PROMPT))
+    assert decision.pair.prefill.engine_id == "p0" and decision.evict_blocks == 0
+    free = Balancer(ChooserSettings("cache-aware", prefill_ms_per_block=1.0, queue_ms=10.0,
+                                    eviction_weight=0), b.index, {}, b.outstanding.copy(),
+                    b.work.copy())  # fmt: skip
+    spilled = free.decide(t, prompt=prompt_of(PROMPT))
+    assert spilled.pair.prefill.engine_id == "p1" and spilled.evict_blocks == 10
+    assert "evicts 10" in spilled.describe()
+
+
+def test_a_new_prefix_goes_where_there_is_room() -> None:
+    """A prompt nobody holds goes to the prefill with free room in its cache, counting the
+    blocks its requests in flight are about to store."""
+    t = table({"d0": ("p0", "p1")})
+    b = Balancer(CHOOSER)
+    fill(b.index, "p0", 60)
+    fill(b.index, "p1", 30)
+    p0, p1 = t.engines["p0"], t.engines["p1"]
+    assert (b.evictions(p0, 10), b.evictions(p1, 10)) == (6, 0)
+    assert b.pick(t, prompt=prompt_of(PROMPT)).prefill.engine_id == "p1"
+    b.start(p1, blocks=30)                               # p1's room is spoken for
+    assert b.evictions(p1, 10) == 6
+    assert b.evictions(Engine("px", "prefill", "h", ("px",)), 10) == 0   # pool size unknown
+
+
+def test_a_deferred_prompt_counts_as_all_work_where_it_goes() -> None:
+    """A prompt chosen before its tokens are known (its opening never seen) can be held
+    nowhere: all of its blocks are work at the prefill it goes to, and room decides."""
+    t = table({"d0": ("p0", "p1")})
+    b = Balancer(CHOOSER)
+    fill(b.index, "p0", 64)
+    cold = Prompt((), 12, deferred={"prompt": "..."})
+    decision = b.decide(t, prompt=cold)
+    assert decision.pair.prefill.engine_id == "p1" and decision.pair.prefill_blocks == 12
+    assert (decision.prefill_hit_blocks, decision.decode_hit_blocks) == (0, 0)
+
+
 def test_a_faster_transport_wins_when_the_rest_is_equal() -> None:
     t = table({"d0": ("p0", "p1")}, {("d0", "p0"): "tcp", ("d0", "p1"): "rc_mlx5"})
     settings_ = ChooserSettings("cache-aware", transport_gbps={"tcp": 1.0, "rc": 20.0})
@@ -325,7 +393,7 @@ def test_any_choice_is_a_verified_pair_within_the_guard(data: st.DataObject) -> 
         peers = {a[side] for a in allowed}
         mean = (sum(b.outstanding[p] for p in peers) + 1) / len(peers)
         load = b.outstanding[e] + 1
-        return load <= 1.5 * mean or load <= mean + 2
+        return load <= CHOOSER.balance_factor * mean or load <= mean + CHOOSER.balance_slack
 
     guarded = [a for a in allowed if within(a[0], 0) and within(a[1], 1)]
     assert not guarded or chosen in guarded, (b.outstanding, chosen, guarded)
