@@ -92,9 +92,10 @@ def _choice(p: argparse.ArgumentParser) -> None:
                    help="cache-aware: what one request already at a decode adds "
                    "(default %(default)s)")
     g.add_argument("--eviction-weight", type=float, default=chooser.eviction_weight,
-                   help="cache-aware: what evicting one block from a prefill whose cache is "
-                   "full costs, in blocks of compute (the recomputation it is likely to cause "
-                   "a later prompt); 0: evictions are free (default %(default)s)")
+                   help="cache-aware: what evicting one block from an engine whose cache is "
+                   "full costs, in blocks of its work (a prefill's compute, a decode's pull: "
+                   "what it is likely to cause a later prompt); 0: evictions are free "
+                   "(default %(default)s)")
     g.add_argument("--balance-factor", type=float, default=chooser.balance_factor,
                    help="cache-aware: no engine above this multiple of its role's mean "
                    "queue while another is below it (default %(default)s)")

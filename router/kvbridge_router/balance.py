@@ -12,8 +12,9 @@ Two policies (``ChooserSettings.policy``):
       cost = (prompt blocks - blocks the prefill holds
               + blocks still to compute for its requests in flight
               + blocks it must evict to store them * eviction_weight) * prefill_ms_per_block
-           + (blocks the decode lacks) * (pull_ms_per_block
-                                          + block bytes / the pair's transport throughput)
+           + (blocks the decode lacks
+              + blocks it must evict to store them * eviction_weight)
+             * (pull_ms_per_block + block bytes / the pair's transport throughput)
            + queue at the prefill * queue_ms + queue at the decode * decode_queue_ms
 
   where an engine's queue is the requests this front has in flight there now, plus those of
@@ -26,7 +27,8 @@ Two policies (``ChooserSettings.policy``):
   storing) must evict a block for every new one, and an evicted block is one a later prompt
   computes again: each costs ``eviction_weight`` blocks of compute. So a prompt is computed
   anew on a second engine only when the wait at the one holding it outweighs both, and a
-  new prefix goes where there is room for it. A balance guard comes first:
+  new prefix goes where there is room for it. A full decode's evictions cost the pulls
+  they will cause, alike. A balance guard comes first:
   an engine whose queue with this request added would exceed both ``balance_factor`` times
   its role's mean and that mean plus ``balance_slack`` requests is left out while another
   engine of that role is within it, so a hot prefix cannot pile every request on one engine
@@ -110,8 +112,8 @@ class ChooserSettings:
     pull_ms_per_block: float = 0.1
     #: what one request already at a decode adds to a new one's first token (ms)
     decode_queue_ms: float = 2.0
-    #: what evicting one block from a full prefill costs, in blocks of compute: the
-    #: recomputation it is likely to cause a later prompt
+    #: what evicting one block from a full engine costs, in blocks of its work (a
+    #: prefill's compute, a decode's pull): what it is likely to cause a later prompt
     eviction_weight: float = 1.0
     #: no engine's queue above this multiple of its role's mean (with the new request) ...
     balance_factor: float = 1.5
@@ -158,11 +160,14 @@ class Decision:
     cost_ms: float = 0.0
     #: blocks the prefill is estimated to evict to store the ones it computes
     evict_blocks: int = 0
+    #: blocks the decode is estimated to evict to store the ones it pulls
+    decode_evict_blocks: int = 0
 
     def describe(self) -> str:
         return (f"pair {self.pair.label} ({self.policy}): cost {self.cost_ms:.1f} ms, prompt "
                 f"{self.prompt_blocks} blocks, held by prefill {self.prefill_hit_blocks} and "
-                f"decode {self.decode_hit_blocks}, evicts {self.evict_blocks}, pull "
+                f"decode {self.decode_hit_blocks}, evicting {self.evict_blocks} and "
+                f"{self.decode_evict_blocks}, pull "
                 f"{self.pull_bytes} B ({self.transfer_ms:.2f} ms), queue {self.queue}")  # fmt: skip
 
 
@@ -271,24 +276,27 @@ class Balancer:
         pull_blocks = max(blocks - decode_hit, 0)
         pull_bytes = pull_blocks * pair.decode.block_bytes
         gbps = s.gbps(table.transport(pair.decode.engine_id, pair.prefill.engine_id))
-        transfer_ms = pull_bytes / (gbps * 1e6) + pull_blocks * s.pull_ms_per_block
+        pull_ms_per_block = pair.decode.block_bytes / (gbps * 1e6) + s.pull_ms_per_block
+        transfer_ms = pull_blocks * pull_ms_per_block
         queue_p, queue_d = queues[pair.prefill.engine_id], queues[pair.decode.engine_id]
-        evict = self.evictions(pair.prefill, prefill_blocks)
-        cost = ((prefill_blocks + evict * s.eviction_weight) * s.prefill_ms_per_block
+        evict_p = self.evictions(pair.prefill, prefill_blocks)
+        evict_d = self.evictions(pair.decode, pull_blocks)
+        cost = ((prefill_blocks + evict_p * s.eviction_weight) * s.prefill_ms_per_block
                 + self._wait_ms(pair.prefill, queues) + transfer_ms
+                + evict_d * s.eviction_weight * pull_ms_per_block
                 + queue_d * s.decode_queue_ms)  # fmt: skip
         chosen = Pair(pair.decode, pair.prefill, prefill_blocks)
         return Decision(chosen, "cache-aware", blocks, prefill_hit, decode_hit, pull_bytes,
-                        transfer_ms, queue_p + queue_d, cost, evict)  # fmt: skip
+                        transfer_ms, queue_p + queue_d, cost, evict_p, evict_d)  # fmt: skip
 
-    def evictions(self, prefill: Engine, blocks: int) -> int:
-        """Blocks ``prefill`` must evict to store ``blocks`` new ones: beyond its free room,
+    def evictions(self, engine: Engine, blocks: int) -> int:
+        """Blocks ``engine`` must evict to store ``blocks`` new ones: beyond its free room,
         its pool less what its index holds and what its requests in flight will store.
         0 where its pool size is not known."""
-        if blocks <= 0 or prefill.num_blocks <= 0:
+        if blocks <= 0 or engine.num_blocks <= 0:
             return 0
-        used = self.index.blocks(prefill.engine_id) + self.work[prefill.engine_id]
-        return max(blocks - max(prefill.num_blocks - used, 0), 0)
+        used = self.index.blocks(engine.engine_id) + self.work[engine.engine_id]
+        return max(blocks - max(engine.num_blocks - used, 0), 0)
 
     def start(self, engine: Engine, blocks: int = 0) -> None:
         """A request is in flight at ``engine``, with ``blocks`` of prompt to compute."""

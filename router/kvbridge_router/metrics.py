@@ -61,9 +61,9 @@ def init_series() -> None:
         RETRIES.labels(stage)
     for policy in ("least-load", "cache-aware"):   # balance.POLICIES
         PICK_PROMPT_BLOCKS.labels(policy)
-        PICK_EVICTED_BLOCKS.labels(policy)
         for role in ("prefill", "decode"):
             PICK_HIT_BLOCKS.labels(policy, role)
+            PICK_EVICTED_BLOCKS.labels(policy, role)
 
 # The endpoint picker (kvbridge-router epp): its own process, the same registry.
 PICKS = Counter(
@@ -89,8 +89,9 @@ PICK_HIT_BLOCKS = Histogram(
     "this histogram's sum over the prompt blocks' sum", ["policy", "role"],
     buckets=BLOCK_BUCKETS, registry=REGISTRY)
 PICK_EVICTED_BLOCKS = Histogram(
-    "kvbridge_router_pick_evicted_blocks", "Blocks the chosen prefill was estimated to evict "
-    "from its full prefix cache to store the blocks it computes (cache-aware)", ["policy"],
+    "kvbridge_router_pick_evicted_blocks", "Blocks the chosen engine was estimated to evict "
+    "from its full prefix cache to store the blocks it computes (prefill) or pulls (decode), "
+    "by role (cache-aware)", ["policy", "role"],
     buckets=BLOCK_BUCKETS, registry=REGISTRY)
 PICK_TRANSFER_SECONDS = Histogram(
     "kvbridge_router_pick_transfer_estimate_seconds", "The chosen pair's estimated KV pull "
@@ -119,6 +120,7 @@ def observe_decision(decision: Decision) -> None:
     PICK_PROMPT_BLOCKS.labels(policy).observe(decision.prompt_blocks)
     PICK_HIT_BLOCKS.labels(policy, "prefill").observe(decision.prefill_hit_blocks)
     PICK_HIT_BLOCKS.labels(policy, "decode").observe(decision.decode_hit_blocks)
-    PICK_EVICTED_BLOCKS.labels(policy).observe(decision.evict_blocks)
+    PICK_EVICTED_BLOCKS.labels(policy, "prefill").observe(decision.evict_blocks)
+    PICK_EVICTED_BLOCKS.labels(policy, "decode").observe(decision.decode_evict_blocks)
     PICK_TRANSFER_SECONDS.labels(policy).observe(decision.transfer_ms / 1000)
     PICK_QUEUE.labels(policy).observe(decision.queue)

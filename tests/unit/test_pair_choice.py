@@ -3,6 +3,8 @@ or by routing, the engines' reported load, and the score with its balance guard.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -290,7 +292,24 @@ def test_evicting_from_a_full_prefill_costs_what_it_will_recompute() -> None:
                     b.work.copy())  # fmt: skip
     spilled = free.decide(t, prompt=prompt_of(PROMPT))
     assert spilled.pair.prefill.engine_id == "p1" and spilled.evict_blocks == 10
-    assert "evicts 10" in spilled.describe()
+    assert "evicting 10 and 0" in spilled.describe()
+
+
+def test_a_full_decode_counts_the_pulls_its_evictions_will_cause() -> None:
+    """d0 holds the prompt but has two more requests in flight than d1, whose cache is
+    full: with evictions free the queue sends the prompt to d1; counted, it stays at d0."""
+    t = table({"d0": ("p0",), "d1": ("p0",)})
+    settings_ = ChooserSettings("cache-aware", pull_ms_per_block=1.0, decode_queue_ms=6.0,
+                                transport_gbps={"tcp": 1e9})  # fmt: skip
+    b = Balancer(settings_)
+    stored(b.index, "d0", PROMPT)
+    fill(b.index, "d1", 64)
+    b.outstanding["d0"] = 2                              # 12 ms against 10 blocks' pull
+    decision = b.decide(t, prompt=prompt_of(PROMPT))
+    assert decision.pair.decode.engine_id == "d0" and decision.decode_evict_blocks == 0
+    free = Balancer(replace(settings_, eviction_weight=0), b.index, {}, b.outstanding.copy())
+    moved = free.decide(t, prompt=prompt_of(PROMPT))
+    assert moved.pair.decode.engine_id == "d1" and moved.decode_evict_blocks == 10
 
 
 def test_a_new_prefix_goes_where_there_is_room() -> None:
