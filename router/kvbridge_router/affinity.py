@@ -100,8 +100,8 @@ class CacheTracker:
         """``body``'s prompt as blocks of the engines' block size; None when it has no prompt
         the chooser can read (it is then chosen on load alone)."""
         block_size = self._block_size(table)
+        chars = max(1, round(block_size * self.settings.chars_per_token))
         if not self.settings.precise(table):
-            chars = max(1, round(block_size * self.settings.chars_per_token))
             text = prompts.prompt_text(body)
             keys = text_block_keys(text, chars)
             return Prompt(tuple(keys), math.ceil(len(text) / chars)) if text else None
@@ -109,7 +109,6 @@ class CacheTracker:
         tokens = prompts.token_ids(body)
         if tokens is None:
             request = prompts.tokenize_request(body)
-            chars = max(1, round(block_size * self.settings.chars_per_token))
             text = prompts.prompt_text(body)
             if request is not None and text and self._first_opening(text[:chars]):
                 return Prompt((), math.ceil(len(text) / chars), deferred=request)

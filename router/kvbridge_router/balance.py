@@ -276,14 +276,14 @@ class Balancer:
         pull_blocks = max(blocks - decode_hit, 0)
         pull_bytes = pull_blocks * pair.decode.block_bytes
         gbps = s.gbps(table.transport(pair.decode.engine_id, pair.prefill.engine_id))
-        pull_ms_per_block = pair.decode.block_bytes / (gbps * 1e6) + s.pull_ms_per_block
-        transfer_ms = pull_blocks * pull_ms_per_block
+        ms_per_pulled_block = pair.decode.block_bytes / (gbps * 1e6) + s.pull_ms_per_block
+        transfer_ms = pull_blocks * ms_per_pulled_block
         queue_p, queue_d = queues[pair.prefill.engine_id], queues[pair.decode.engine_id]
         evict_p = self.evictions(pair.prefill, prefill_blocks)
         evict_d = self.evictions(pair.decode, pull_blocks)
         cost = ((prefill_blocks + evict_p * s.eviction_weight) * s.prefill_ms_per_block
                 + self._wait_ms(pair.prefill, queues) + transfer_ms
-                + evict_d * s.eviction_weight * pull_ms_per_block
+                + evict_d * s.eviction_weight * ms_per_pulled_block
                 + queue_d * s.decode_queue_ms)  # fmt: skip
         chosen = Pair(pair.decode, pair.prefill, prefill_blocks)
         return Decision(chosen, "cache-aware", blocks, prefill_hit, decode_hit, pull_bytes,

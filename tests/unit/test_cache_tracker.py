@@ -17,6 +17,7 @@ from kvbridge_router.affinity import CacheTracker, TrackingSettings
 from kvbridge_router.balance import Balancer, ChooserSettings
 from kvbridge_router.prefix import token_block_keys
 from kvbridge_router.table import Engine, RoutingTable
+from local_http import serve_locally
 
 BS = 4
 SYSTEM = " ".join(f"rule{i}" for i in range(40))          # 40 tokens: 10 blocks
@@ -37,11 +38,7 @@ class Tokenizer:
     async def start(self) -> Tokenizer:
         app = web.Application()
         app.router.add_post("/tokenize", self.tokenize)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.runner, self.port = await serve_locally(app)
         return self
 
     async def tokenize(self, request: web.Request) -> web.Response:

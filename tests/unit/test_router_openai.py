@@ -33,6 +33,7 @@ from kvbridge_router.proxy import Router, RouterSettings
 from kvbridge_router.sse import Event, Parser
 from kvbridge_router.table import Engine, RoutingTable
 from kvbridge_testkit.prometheus import counts_by_label
+from local_http import serve_locally
 
 MAX_LEN = 32
 MODEL = "m"
@@ -113,11 +114,7 @@ class FakeVLLM:
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_post(COMPLETIONS, self.handle)
         app.router.add_post(CHAT, self.handle)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.runner, self.port = await serve_locally(app)
         return self
 
     async def stop(self) -> None:

@@ -30,6 +30,7 @@ from kvbridge_router.logfilter import MalformedRequests
 from kvbridge_router.proxy import Router, RouterSettings
 from kvbridge_router.table import Engine, RoutingTable
 from kvbridge_testkit.prometheus import counts_by_label
+from local_http import serve_locally
 
 
 class FakeEngine:
@@ -49,11 +50,7 @@ class FakeEngine:
     async def start(self) -> FakeEngine:
         app = web.Application()
         app.router.add_post("/v1/completions", self.handle)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.runner, self.port = await serve_locally(app)
         return self
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
