@@ -476,6 +476,26 @@ def test_every_policy_has_its_decision_series_from_the_start() -> None:
     text = generate_latest(m.REGISTRY).decode()
     for policy in POLICIES:
         for role in ("prefill", "decode"):
-            assert (f'kvbridge_router_pick_cache_hit_blocks_sum{{policy="{policy}",'
-                    f'role="{role}"}}') in text
+            for name in ("cache_hit_blocks", "evicted_blocks"):
+                assert (f'kvbridge_router_pick_{name}_sum{{policy="{policy}",'
+                        f'role="{role}"}}') in text
         assert f'kvbridge_router_pick_prompt_blocks_sum{{policy="{policy}"}}' in text
+
+
+def test_a_decision_records_what_it_would_evict_on_each_side() -> None:
+    from kvbridge_router import metrics as m
+
+    def evicted(role: str) -> float:
+        value = m.REGISTRY.get_sample_value("kvbridge_router_pick_evicted_blocks_sum",
+                                            {"policy": "cache-aware", "role": role})
+        return value or 0.0
+
+    t = table({"d0": ("p0",)})
+    b = Balancer(CHOOSER)
+    fill(b.index, "p0", 60)
+    fill(b.index, "d0", 62)
+    before = evicted("prefill"), evicted("decode")
+    decision = b.decide(t, prompt=prompt_of(PROMPT))
+    assert (decision.evict_blocks, decision.decode_evict_blocks) == (6, 8)
+    m.observe_decision(decision)
+    assert (evicted("prefill") - before[0], evicted("decode") - before[1]) == (6, 8)
