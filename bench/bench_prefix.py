@@ -80,19 +80,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "vllm_engines"))
-sys.path.insert(0, str(ROOT / "demo"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import aiohttp
 
-import aiohttp  # noqa: E402
-import vllm_pods as vp  # noqa: E402
-from vllm_servers import OpenAIServer, connector_config, start_servers  # noqa: E402
-
-from _common import emit  # noqa: E402
-from kvbridge_agent._testmodel import CONFIG, write_test_model  # noqa: E402
-from kvbridge_router.balance import ChooserSettings  # noqa: E402
-from kvbridge_testkit.cluster import free_port  # noqa: E402
+from _common import emit
+from kvbridge_agent._testmodel import CONFIG, write_test_model
+from kvbridge_router.balance import ChooserSettings
+from kvbridge_testkit import vllm_pods as vp
+from kvbridge_testkit.cluster import free_port
+from kvbridge_testkit.vllm_servers import OpenAIServer, connector_config, start_servers
 
 REQUESTS = int(os.environ.get("KVB_BENCH_PREFIX_REQUESTS", "200"))
 CONCURRENCY = int(os.environ.get("KVB_BENCH_PREFIX_CONCURRENCY", "8"))

@@ -38,12 +38,10 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 from unittest import mock
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
 

@@ -49,14 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# _common lives beside this script and the real-engine harness (tests/vllm_engines/
-# vllm_harness.py) is no package, so both go on sys.path.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm_engines"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from vllm_harness import EngineProcess, start_engines, write_model
-
 from _common import emit
+from kvbridge_testkit.vllm_harness import EngineProcess, start_engines, write_model
 
 LENGTHS = (64, 256, 768, 1800)
 REPS = int(os.environ.get("KVB_BENCH_VLLM_REPS", "24"))  # even: each decode goes first half

@@ -117,7 +117,8 @@ class Stage:
 
 def run(cleanup: list) -> int:
     from kubernetes import client
-    from sim import handshakes_ok, wait_until
+
+    from kvbridge_testkit.sim import handshakes_ok, wait_until
 
     binaries = ensure_stack()
     mode = os.environ.get("KVBRIDGE_DEMO", "auto")
@@ -239,7 +240,9 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
     """Two real nodes on one pod network; the chart's operator Deployment and the serving
     pods run as containers."""
     from kubernetes import client
-    from node_pods import (
+
+    from kvbridge_testkit import node as kn
+    from kvbridge_testkit.node_pods import (
         NodePod,
         agent_pod,
         image_values,
@@ -247,9 +250,7 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
         ready_pod,
         two_nodes,
     )
-    from sim import wait_until
-
-    from kvbridge_testkit import node as kn
+    from kvbridge_testkit.sim import wait_until
 
     node_binaries = kn.NodeBinaries.find()
     say("node images: operator and agent from the Dockerfile, built with buildah over a Debian "
@@ -318,10 +319,11 @@ def serve_vllm(cluster: kc.LocalCluster, images: dict[str, str], helm: Path) -> 
     over a pair the operator made and the decode preflighted; then the chart's router in
     front of them, with a decode of another KV dtype that the operator refuses and the
     router never uses."""
-    import vllm_pods as vp
     import yaml
     from kubernetes import client
-    from sim import wait_until
+
+    from kvbridge_testkit import vllm_pods as vp
+    from kvbridge_testkit.sim import wait_until
 
     core = client.CoreV1Api(cluster.api_client())
     custom = client.CustomObjectsApi(cluster.api_client())
@@ -406,9 +408,10 @@ def show_router(cluster: kc.LocalCluster, helm: Path, core: Any, bad: str) -> No
     """The chart's router in front of the KVTransfer: requests take verified pairs only."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import vllm_pods as vp
     from kubernetes import client
-    from sim import wait_until
+
+    from kvbridge_testkit import vllm_pods as vp
+    from kvbridge_testkit.sim import wait_until
 
     custom = client.CustomObjectsApi(cluster.api_client())
 
@@ -458,11 +461,11 @@ def show_gateway(cluster: kc.LocalCluster, helm: Path, core: Any, envoy_image: s
     """The inference-gateway path: the chart's endpoint picker and InferencePool, and an Envoy
     pod configured as a Gateway controller configures it for the pool, in front of the decode
     pods' sidecars; each request's answer names the verified pair that served it."""
-    import vllm_pods as vp
     from kubernetes import client
-    from sim import wait_until
 
+    from kvbridge_testkit import vllm_pods as vp
     from kvbridge_testkit.envoy import bootstrap
+    from kvbridge_testkit.sim import wait_until
 
     pool_values = ["--set", "gateway.enabled=true", "--set", f"gateway.transfer={vp.TRANSFER}",
                    "--set", f"gateway.namespace={NS}",
@@ -522,7 +525,7 @@ def show_gateway(cluster: kc.LocalCluster, helm: Path, core: Any, envoy_image: s
 
 def setup_simulated(binaries: kc.Binaries, cleanup: list) -> Stage:
     """A node simulator; the operator is a local process and each pod an agent process."""
-    from sim import SimPod
+    from kvbridge_testkit.sim import SimPod
 
     say("starting etcd, kube-apiserver, kube-controller-manager ...")
     cluster = kc.LocalCluster(binaries=binaries).start()
@@ -620,7 +623,7 @@ def scrape_agents(prom: Any, started: dict[str, Any]) -> None:
 
 
 def show_targets(prom: Any, count: int) -> None:
-    from sim import wait_until
+    from kvbridge_testkit.sim import wait_until
 
     def up() -> list[dict]:
         ts = prom.targets()
@@ -635,7 +638,7 @@ def show_targets(prom: Any, count: int) -> None:
 
 def follow_alert(prom: Any, name: str, target: str, timeout: float = 120) -> None:
     """Print the alert's state for KVTransfer kvt as it changes, until it is ``target``."""
-    from sim import wait_until
+    from kvbridge_testkit.sim import wait_until
 
     seen: list[str] = []
 
@@ -652,7 +655,8 @@ def follow_alert(prom: Any, name: str, target: str, timeout: float = 120) -> Non
 def show_alert(prom: Any, stage: Stage, started: dict[str, Any]) -> None:
     """decode-bad makes KVBridgeTransferDegraded fire; removing it resolves it."""
     from kubernetes import client
-    from sim import wait_until
+
+    from kvbridge_testkit.sim import wait_until
 
     follow_alert(prom, "KVBridgeTransferDegraded", "firing")
     (alert,) = [a for a in prom.alerts() if a["state"] == "firing" and
@@ -693,7 +697,8 @@ def wait_webhook_answering(cluster: kc.LocalCluster) -> None:
     """Until the apiserver calls the webhook: a dry run only the webhook refuses."""
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
-    from sim import wait_until
+
+    from kvbridge_testkit.sim import wait_until
 
     custom = client.CustomObjectsApi(cluster.api_client())
     probe = {"apiVersion": "kvbridge.io/v1alpha1", "kind": "KVTransfer",
@@ -718,7 +723,8 @@ def show_admission(cluster: kc.LocalCluster, custom: object, sa: str) -> None:
     prefill-0's side channel; the webhook refuses both with a message."""
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
-    from sim import pod_bound_token
+
+    from kvbridge_testkit.sim import pod_bound_token
 
     token = pod_bound_token(cluster.kubectl, NS, sa, "decode-0", seconds=600)
     as_decode = client.CustomObjectsApi(

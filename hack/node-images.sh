@@ -37,7 +37,7 @@
 #                                       ~200 MB/s make the re-download cost about a second)
 # Each of the operator, agent and vllm archives is keyed by its inputs (Dockerfile,
 # .dockerignore, pyproject.toml, README.md, agent/; operator/ and router/ for the operator
-# and agent; demo/{pod_agent,bridge}.py for the agent), this script and the base image;
+# and agent; testkit/kvbridge_testkit/{pod_agent,bridge}.py for the agent), this script and the base image;
 # the pause archive by hack/pause.c and this script. KVB_CACHE=/some/dir builds elsewhere.
 #
 # The image name inside each archive is its org.opencontainers.image.ref.name annotation, a
@@ -88,7 +88,8 @@ IMAGE_PAUSE=registry.k8s.io/pause:3.6
 # vllm image is the slow one (~5 minutes): it depends on the agent only.
 COMMON_INPUTS=(Dockerfile .dockerignore pyproject.toml README.md agent)
 OPERATOR_INPUTS=("${COMMON_INPUTS[@]}" operator router)
-AGENT_INPUTS=("${COMMON_INPUTS[@]}" operator router demo/pod_agent.py demo/bridge.py)
+AGENT_INPUTS=("${COMMON_INPUTS[@]}" operator router testkit/kvbridge_testkit/pod_agent.py
+              testkit/kvbridge_testkit/bridge.py)
 VLLM_INPUTS=("${COMMON_INPUTS[@]}")
 ENVOY_INPUTS=(Dockerfile)
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 import yaml
-from kvb_e2e import wait_for
+
+from kvbridge_testkit.e2e import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kvbridge"

@@ -404,11 +404,10 @@ def test_operator_reconciles_with_the_chart_service_account(
     """The Deployment's kopf command run as a separate process with only the chart's operator
     ServiceAccount token, and agents with only the chart's agent token, take a topology to
     Ready; the webhook serves the chart's certificate at the chart's paths."""
-    from kvb_e2e import Api
-
     from kvbridge_operator import testing as manifests
     from kvbridge_operator.config import ENDPOINTS, TRANSFERS
     from kvbridge_testkit import cluster as kc
+    from kvbridge_testkit.e2e import Api
 
     for ns in (NS, SERVING):
         kube.create_namespace(ns)

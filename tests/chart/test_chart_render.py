@@ -368,15 +368,12 @@ def test_agent_rbac_is_exactly_endpoint_publishing(name: str, rendered: dict) ->
 
 
 def test_e2e_agent_rbac_is_the_charts(rendered: dict) -> None:
-    """The e2e tests and the demo grant agents demo/sim.AGENT_RULES without installing the
-    chart; they must be exactly the chart's agent Role, or those tests prove nothing."""
-    import importlib.util
+    """The e2e tests and the demo grant agents kvbridge_testkit.sim.AGENT_RULES without
+    installing the chart; they must be exactly the chart's agent Role, or those tests prove
+    nothing."""
+    from kvbridge_testkit.sim import AGENT_RULES
 
-    spec = importlib.util.spec_from_file_location("demo_sim", REPO / "demo" / "sim.py")
-    assert spec is not None and spec.loader is not None
-    sim = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sim)
-    assert expand_rules(sim.AGENT_RULES) == AGENT
+    assert expand_rules(AGENT_RULES) == AGENT
 
 
 def test_agent_objects_per_namespace(rendered: dict) -> None:
@@ -716,8 +713,8 @@ def test_serving_examples_load_the_connector_with_one_flag(role: str) -> None:
     for key, val in values["networkPolicy"]["podSelector"]["matchLabels"].items():
         assert labels[key] == val
     assert kvt["spec"][role]["selector"]["matchLabels"].items() <= labels.items()
-    # vLLM first: demo/vllm_pods.incompatible_decode edits containers[0]. Decodes add the
-    # gateway's P/D sidecar (test_gateway_example_fits_the_serving_pods).
+    # vLLM first: kvbridge_testkit.vllm_pods.incompatible_decode edits containers[0]. Decodes
+    # add the gateway's P/D sidecar (test_gateway_example_fits_the_serving_pods).
     names = [c["name"] for c in pod["spec"]["containers"]]
     assert names == {"prefill": ["vllm"], "decode": ["vllm", "sidecar"]}[role]
     container = pod["spec"]["containers"][0]
@@ -1032,7 +1029,7 @@ def test_gateway_example_fits_the_serving_pods() -> None:
     serving = REPO / "examples" / "serving"
     (kvt,) = yaml.safe_load_all((serving / "kvtransfer.yaml").read_text())
     (listed,) = yaml.safe_load_all((serving / "inferencepool.yaml").read_text())
-    # One document: demo/vllm_pods.manifests loads every example file as one.
+    # One document: kvbridge_testkit.vllm_pods.manifests loads every example file as one.
     assert (listed["apiVersion"], listed["kind"]) == ("v1", "List")
     items = listed["items"]
     for obj in items:

@@ -10,10 +10,10 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from kvb_e2e import Api, crd_cluster, deploy_operator, wait_for
 
 from kvbridge_operator.config import TRANSFERS
 from kvbridge_testkit import cluster as kc
+from kvbridge_testkit.e2e import Api, crd_cluster, deploy_operator, wait_for
 from kvbridge_testkit.operator_process import OperatorProcess
 
 #: Fake nodes: two zones, for the TopologyAware policy.

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_pods import MODEL, WORDS
+from kvbridge_testkit.vllm_pods import MODEL, WORDS
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

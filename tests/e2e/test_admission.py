@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 from kubernetes.client.exceptions import ApiException
-from kvb_e2e import Api
 
 from kvbridge_operator import testing as manifests
 from kvbridge_operator.config import ENDPOINTS, TRANSFERS
+from kvbridge_testkit.e2e import Api
 
 pytestmark = pytest.mark.k8s
 

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 from kubernetes.client.exceptions import ApiException
-from kvb_e2e import Api, wait_for
 
 from kvbridge_operator import testing as manifests
 from kvbridge_operator.config import ENDPOINTS, GROUP
+from kvbridge_testkit.e2e import Api, wait_for
 
 pytestmark = pytest.mark.k8s
 

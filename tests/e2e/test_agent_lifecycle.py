@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from kvb_e2e import Api, wait_for
-from sim import SimPod, create_agent_rbac, handshakes_ok
 
 from kvbridge_operator.config import ENDPOINTS
+from kvbridge_testkit.e2e import Api, wait_for
+from kvbridge_testkit.sim import SimPod, create_agent_rbac, handshakes_ok
 
 pytestmark = [pytest.mark.k8s, pytest.mark.nixl, pytest.mark.slow]
 
@@ -122,7 +122,8 @@ def test_agent_cannot_write_with_admin_rights_it_does_not_have(cluster, api: Api
     """The pod-bound token can publish its endpoint but cannot touch pods or secrets."""
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
-    from sim import pod_bound_token
+
+    from kvbridge_testkit.sim import pod_bound_token
 
     p = start(pods, cluster, ns, "p-0", "prefill", "P")
     token = pod_bound_token(cluster.kubectl, ns, "kvbridge-agent", p.name)

@@ -3,8 +3,8 @@ channel and NIXL (UCX over TCP) cross a real interface; cutting the link fails t
 cleanly within its deadline (typed failure, no completion notification).
 
 Only addresses inside the test's own namespaces (10.213.x.y/30) and loopback are used; the
-agents reach the apiserver through a unix-socket bridge (demo/bridge.py). Namespaces and
-links are always removed.
+agents reach the apiserver through a unix-socket bridge (kvbridge_testkit.bridge). Namespaces
+and links are always removed.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from kvb_e2e import Api, wait_for
-from sim import SimPod, create_agent_rbac, handshakes_ok
+
+from kvbridge_testkit.e2e import Api, wait_for
+from kvbridge_testkit.sim import SimPod, create_agent_rbac, handshakes_ok
 
 pytestmark = [pytest.mark.k8s, pytest.mark.nixl, pytest.mark.slow]
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from kvb_e2e import Api, wait_for
-from sim import SimPod, create_agent_rbac, handshakes_ok
+
+from kvbridge_testkit.e2e import Api, wait_for
+from kvbridge_testkit.sim import SimPod, create_agent_rbac, handshakes_ok
 
 pytestmark = [pytest.mark.k8s, pytest.mark.nixl, pytest.mark.slow]
 

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
-from kvb_e2e import REPO, Api, wait_for
 
 from kvbridge_operator import limits
 from kvbridge_operator import testing as manifests
 from kvbridge_operator.config import ENDPOINTS, TRANSFERS
+from kvbridge_testkit.e2e import REPO, Api, wait_for
 
 pytestmark = pytest.mark.k8s
 

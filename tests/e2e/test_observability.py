@@ -27,12 +27,11 @@ from pathlib import Path
 
 import pytest
 from kubernetes.client.exceptions import ApiException
-from kvb_e2e import Api, http_get, wait_for
-from sim import SimPod, create_agent_rbac, handshakes_ok
 
 from kvbridge_operator import testing as manifests
 from kvbridge_operator.config import TRANSFERS
 from kvbridge_testkit import cluster as kc
+from kvbridge_testkit.e2e import Api, http_get, wait_for
 from kvbridge_testkit.operator_process import OperatorProcess
 from kvbridge_testkit.prometheus import (
     AGENT_JOB,
@@ -50,6 +49,7 @@ from kvbridge_testkit.prometheus import (
     signal,
     substitute,
 )
+from kvbridge_testkit.sim import SimPod, create_agent_rbac, handshakes_ok
 
 pytestmark = [pytest.mark.k8s, pytest.mark.nixl, pytest.mark.slow]
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import random
 
-import kvb_load as L
 import pytest
 from kubernetes import client
-from kvb_e2e import Api, http_get, wait_for
 
 from kvbridge_operator.config import ENDPOINTS, TRANSFERS
+from kvbridge_testkit import load as L
+from kvbridge_testkit.e2e import Api, http_get, wait_for
 from kvbridge_testkit.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.k8s

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from kvb_e2e import Api, wait_for
 
 from kvbridge_operator.config import ENDPOINTS
+from kvbridge_testkit.e2e import Api, wait_for
 from kvbridge_testkit.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.k8s

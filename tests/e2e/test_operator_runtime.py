@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from kvb_e2e import Api, http_get, wait_for
 
 from kvbridge_operator.config import FINALIZER
 from kvbridge_testkit.cluster import free_port
+from kvbridge_testkit.e2e import Api, http_get, wait_for
 from kvbridge_testkit.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.k8s

@@ -7,10 +7,10 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from kvb_e2e import Api, wait_for
 
 from kvbridge_operator import testing as manifests
 from kvbridge_operator.config import ENDPOINTS
+from kvbridge_testkit.e2e import Api, wait_for
 from kvbridge_testkit.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.k8s

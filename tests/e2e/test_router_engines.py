@@ -40,15 +40,15 @@ from typing import Any
 
 import openai_surface
 import pytest
-import vllm_pods as vp
-from kvb_e2e import Api, wait_for
-from sim import SimPod, create_agent_rbac, pod_bound_token
-from vllm_harness import vllm_python
-from vllm_servers import OpenAIServer, connector_config, start_servers
 
 from kvbridge_operator.config import TRANSFERS
+from kvbridge_testkit import vllm_pods as vp
 from kvbridge_testkit.cluster import free_port
+from kvbridge_testkit.e2e import Api, wait_for
 from kvbridge_testkit.envoy import Envoy
+from kvbridge_testkit.sim import SimPod, create_agent_rbac, pod_bound_token
+from kvbridge_testkit.vllm_harness import vllm_python
+from kvbridge_testkit.vllm_servers import OpenAIServer, connector_config, start_servers
 
 pytestmark = [pytest.mark.k8s, pytest.mark.nixl, pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.timeout(900)]  # fmt: skip

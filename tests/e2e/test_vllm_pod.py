@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvb_e2e import Api, wait_for
-from sim import SimPod, create_agent_rbac, pod_bound_token
-from vllm_harness import (
+
+from kvbridge_operator.config import ENDPOINTS
+from kvbridge_testkit.e2e import Api, wait_for
+from kvbridge_testkit.sim import SimPod, create_agent_rbac, pod_bound_token
+from kvbridge_testkit.vllm_harness import (
     EngineProcess,
     RandomPrompts,
     pd_generate,
@@ -24,8 +26,6 @@ from vllm_harness import (
     vllm_python,
     write_model,
 )
-
-from kvbridge_operator.config import ENDPOINTS
 
 pytestmark = [pytest.mark.k8s, pytest.mark.nixl, pytest.mark.vllm, pytest.mark.slow]
 

@@ -13,11 +13,11 @@ from urllib.parse import urlparse
 
 import pytest
 from faultlib import NS, Agents, TcpProxy
-from kvb_e2e import Api, crd_cluster, deploy_operator, wait_for
-from sim import create_agent_rbac, handshakes_ok
 
 from kvbridge_testkit import cluster as kc
+from kvbridge_testkit.e2e import Api, crd_cluster, deploy_operator, wait_for
 from kvbridge_testkit.operator_process import OperatorProcess
+from kvbridge_testkit.sim import create_agent_rbac, handshakes_ok
 
 NODES = {"node-a": {"topology.kubernetes.io/zone": "zone-a"}}
 

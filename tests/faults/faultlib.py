@@ -138,7 +138,7 @@ class Agents:
     pods: dict[str, Any] = field(default_factory=dict)
 
     def start(self, name: str, role: str, engine: str, **kw: Any) -> Any:
-        from sim import SimPod
+        from kvbridge_testkit.sim import SimPod
 
         p = SimPod(self.cluster, NS, name, role=role, engine_id=engine, seed=SEED, **kw)
         self.pods[name] = p

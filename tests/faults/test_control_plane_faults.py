@@ -18,12 +18,12 @@ from collections.abc import Callable, Iterable, Sized
 
 import pytest
 from faultlib import NS, SEED, Agents, compact_etcd, divergence, endpoint_census
-from kvb_e2e import Api, wait_for
-from sim import SimPod
 
 from kvbridge_operator.config import ENDPOINTS, TRANSFERS
 from kvbridge_operator.reconciler import RELEASE_RETRY_DELAYS
+from kvbridge_testkit.e2e import Api, wait_for
 from kvbridge_testkit.operator_process import OperatorProcess
+from kvbridge_testkit.sim import SimPod
 
 pytestmark = [pytest.mark.k8s, pytest.mark.nixl, pytest.mark.slow, pytest.mark.faults]
 

@@ -12,8 +12,6 @@ from collections.abc import Iterator
 import pytest
 import yaml
 from chartlib import CHART, Kube
-from kvb_e2e import Api, wait_for
-from node_pods import agent_pod, image_values, two_nodes
 from nodelib import (
     AGENT_NS,
     OPERATOR_NS,
@@ -27,6 +25,8 @@ from nodelib import (
 from kvbridge_operator import testing as manifests
 from kvbridge_testkit import cluster as kc
 from kvbridge_testkit import node as kn
+from kvbridge_testkit.e2e import Api, wait_for
+from kvbridge_testkit.node_pods import agent_pod, image_values, two_nodes
 
 
 @pytest.fixture(scope="session")

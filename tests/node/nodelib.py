@@ -1,6 +1,7 @@
 """Helpers for the real-node tests: chart values for the local images, readiness waits, and
 what a container really runs as (read through the host's /proc and the container's mounts).
-Agent pods and their control channel are demo/node_pods.py's, shared with ``make demo``."""
+Agent pods and their control channel are kvbridge_testkit.node_pods', shared with ``make
+demo``."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from chartlib import Kube
-from kvb_e2e import Api, wait_for
-from node_pods import handshakes_succeeded, ready_pod
+
+from kvbridge_testkit.e2e import Api, wait_for
+from kvbridge_testkit.node_pods import handshakes_succeeded, ready_pod
 
 AGENT_NS = "kvb-agents"
 RELEASE, OPERATOR_NS = "kvbridge", "kvbridge-system"

@@ -14,8 +14,6 @@ import time
 from typing import Any
 
 import pytest
-from kvb_e2e import Api, wait_for
-from node_pods import agent_call, pull_every_block
 from nodelib import (
     AGENT_NS,
     container_pid,
@@ -26,6 +24,9 @@ from nodelib import (
     token_claims,
     wait_pod_ready,
 )
+
+from kvbridge_testkit.e2e import Api, wait_for
+from kvbridge_testkit.node_pods import agent_call, pull_every_block
 
 pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.nixl, pytest.mark.slow]
 log = logging.getLogger(__name__)

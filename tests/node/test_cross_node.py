@@ -15,16 +15,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kvb_e2e import Api, wait_for
-from node_pods import (
-    SECOND_NODE_TAINT_KEY,
-    ZONE_KEY,
-    ZONES,
-    agent_pod,
-    bench_pull,
-    in_zone,
-    pull_every_block,
-)
 from nodelib import (
     AGENT_NS,
     OPERATOR_NS,
@@ -33,6 +23,17 @@ from nodelib import (
     preflighted,
     wait_pod_ready,
     wait_services_serving,
+)
+
+from kvbridge_testkit.e2e import Api, wait_for
+from kvbridge_testkit.node_pods import (
+    SECOND_NODE_TAINT_KEY,
+    ZONE_KEY,
+    ZONES,
+    agent_pod,
+    bench_pull,
+    in_zone,
+    pull_every_block,
 )
 
 pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.nixl, pytest.mark.slow]

@@ -12,8 +12,6 @@ from typing import Any
 import pytest
 import yaml
 from chartlib import CHART, Kube
-from kvb_e2e import Api, wait_for
-from node_pods import image_values
 from nodelib import (
     AGENT_NS,
     OPERATOR_NS,
@@ -26,6 +24,8 @@ from nodelib import (
 )
 
 from kvbridge_operator import testing as manifests
+from kvbridge_testkit.e2e import Api, wait_for
+from kvbridge_testkit.node_pods import image_values
 
 pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.slow]
 

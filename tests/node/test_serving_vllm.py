@@ -16,11 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-import vllm_pods as vp
 import yaml
 from chartlib import CHART, Kube
-from kvb_e2e import Api, wait_for
 from nodelib import AGENT_NS, OPERATOR_NS, RELEASE
+
+from kvbridge_testkit import vllm_pods as vp
+from kvbridge_testkit.e2e import Api, wait_for
 
 # The first test's time includes starting the vLLM pods (two or three minutes on 2 cores).
 pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.nixl, pytest.mark.vllm,

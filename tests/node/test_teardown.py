@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 from chartlib import Kube
-from kvb_e2e import Api, wait_for
 from nodelib import AGENT_NS, OPERATOR_NS, RELEASE
 
 from kvbridge_operator.config import ENDPOINTS
 from kvbridge_testkit import node as kn
+from kvbridge_testkit.e2e import Api, wait_for
 
 pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.slow]
 

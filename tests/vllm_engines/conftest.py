@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm_harness import vllm_python, write_model
+
+from kvbridge_testkit.vllm_harness import vllm_python, write_model
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import (
+
+from kvbridge_testkit.vllm_harness import (
     MAX_TOKENS,
     PAIRINGS,
     EngineProcess,

@@ -10,7 +10,8 @@ import random
 from pathlib import Path
 
 import pytest
-from vllm_harness import EngineProcess
+
+from kvbridge_testkit.vllm_harness import EngineProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

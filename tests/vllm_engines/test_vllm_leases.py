@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import EngineProcess, RandomPrompts, received_ok, running
+
+from kvbridge_testkit.vllm_harness import EngineProcess, RandomPrompts, received_ok, running
 
 pytestmark = [pytest.mark.slow, pytest.mark.nixl, pytest.mark.vllm]
 

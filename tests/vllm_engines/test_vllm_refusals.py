@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import EngineError, EngineProcess
+
+from kvbridge_testkit.vllm_harness import EngineError, EngineProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from vllm_harness import vllm_python
 
 from kvbridge_agent import _testmodel as tm
+from kvbridge_testkit.vllm_harness import vllm_python
 
 pytestmark = [pytest.mark.vllm]
 

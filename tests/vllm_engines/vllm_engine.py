@@ -2,7 +2,7 @@
 
 Run by the vLLM virtualenv's python (``hack/vllm-venv.sh python``), never by the project's
 venv: vLLM, CPU torch and ``nixl_cu12`` live only there. The tests drive it through
-``tests/vllm_engines/vllm_harness.py``.
+``kvbridge_testkit.vllm_harness``.
 
 Subcommands::
 

@@ -1,5 +1,5 @@
 """Serving pods on real nodes (kvbridge_testkit.node): the agent image's engine stand-in
-(demo/pod_agent.py) as a real container, and a handle that drives it over its TCP control
+(pod_agent.py) as a real container, and a handle that drives it over its TCP control
 port. Used by ``make demo`` on a real node and by tests/node."""
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def pull_every_block(decode_ip: str, prefill_ip: str, prefill_engine: str, reque
 
 def bench_pull(decode_ip: str, prefill_ip: str, prefill_engine: str, reps: int,
                timeout: float) -> dict[str, Any]:  # fmt: skip
-    """The decode pod's ``bench_pull`` over every block (demo/pod_agent.py): medians of the
+    """The decode pod's ``bench_pull`` over every block (pod_agent.py): medians of the
     agent's pull, a raw NIXL READ of the same descriptors and that READ with the notification
     (``*_gbps``, ``*_ms``); ``ratio`` is the agent's throughput over the raw READ's. The raw
     READ's bytes are verified too. The prefill holds every request id the reps use."""
@@ -162,7 +162,7 @@ def bench_pull(decode_ip: str, prefill_ip: str, prefill_engine: str, reps: int,
 
 
 class NodePod:
-    """A running agent pod, driven like demo/sim.py's SimPod: ``call(cmd, **kw)``, ``status()``."""
+    """A running agent pod, driven like sim.SimPod: ``call(cmd, **kw)``, ``status()``."""
 
     def __init__(self, name: str, ip: str, *, engine_id: str | None = None,
                  preset: str = "grouped") -> None:  # fmt: skip

@@ -20,12 +20,12 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from kvbridge_testkit import REPO
+
 SERVING = REPO / "examples" / "serving"
 TRANSFER = "tiny-llama"
 MODEL = "tiny-llama"

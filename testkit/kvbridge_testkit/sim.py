@@ -1,6 +1,6 @@
 """Simulated pods for the demo and the e2e tests: a real Pod object (made Running by the
 node simulator, ``hack/kc.FakeKubelet``) backed by a real agent process
-(``demo/pod_agent.py``) that authenticates with a token bound to that Pod.
+(``kvbridge_testkit/pod_agent.py``) that authenticates with a token bound to that Pod.
 
 Every wait has a deadline; :meth:`SimPod.stop` / :meth:`SimPod.kill` end only the process
 this module started.
@@ -21,8 +21,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-POD_AGENT = REPO / "demo" / "pod_agent.py"
+from kvbridge_testkit import REPO
+
+#: Run as a script (as the agent image runs it), not imported.
+POD_AGENT = Path(__file__).resolve().with_name("pod_agent.py")
 
 #: The agent Role of the Helm chart (charts/kvbridge/templates/_helpers.tpl agentRules), for
 #: tests that do not install the chart.
@@ -167,8 +169,7 @@ class SimPod:
     def _api_bridge(self) -> str:
         from urllib.parse import urlparse
 
-        sys.path.insert(0, str(REPO / "demo"))
-        from bridge import unix_to_tcp
+        from kvbridge_testkit.bridge import unix_to_tcp
 
         path = str(self.log_dir / f"api-{self.namespace}-{self.name}.sock")
         if getattr(self, "_bridge", None) is None:

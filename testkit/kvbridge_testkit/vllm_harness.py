@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbridge_testkit import REPO
 from kvbridge_testkit.cluster import free_port
 
-REPO = Path(__file__).resolve().parents[2]
-ENGINE_SCRIPT = Path(__file__).resolve().with_name("vllm_engine.py")
+ENGINE_SCRIPT = REPO / "tests" / "vllm_engines" / "vllm_engine.py"
 VENV_SCRIPT = REPO / "hack" / "vllm-venv.sh"
 
 #: Engine start-up is ~17 s alone on 2 cores; two or three starting together take longer.

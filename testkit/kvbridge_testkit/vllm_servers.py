@@ -21,10 +21,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_harness import REPO, START_TIMEOUT_S, EngineError, vllm_python
-from vllm_pods import MODEL
-
 from kvbridge_testkit.cluster import free_port
+from kvbridge_testkit.vllm_harness import REPO, START_TIMEOUT_S, EngineError, vllm_python
+from kvbridge_testkit.vllm_pods import MODEL
 
 #: The CPU settings of notes/vllm-on-cpu.md: the platform stated, one OMP thread per
 #: engine (several share 2 cores), a small KV space, UCX on loopback.

@@ -21,9 +21,9 @@ from kubernetes.client.exceptions import ApiException
 
 from kvbridge_operator import testing as manifests
 from kvbridge_operator.config import ENDPOINTS, GROUP, TRANSFERS, VERSION
+from kvbridge_testkit import REPO
 from kvbridge_testkit.operator_process import OperatorProcess, loopback_settings
 
-REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
 

@@ -1,9 +1,11 @@
 """A simulated pod's agent process: owns real KV memory, runs a real AgentService (NIXL +
 side channel) and publishes/follows its KVEndpoint as the pod's ServiceAccount.
 
-Started by the demo and the e2e tests (one process per simulated pod, possibly inside a
-network namespace). Control is JSON lines: commands on stdin, one reply line per command on
-stdout (logs go to stderr). The first stdout line is ``{"event": "ready", ...}``.
+Started as a script by the demo and the e2e tests (``kvbridge_testkit.sim``: one process per
+simulated pod, possibly inside a network namespace) and as the agent image's entrypoint, where
+it and bridge.py sit alone in /opt/kvbridge/app without kvbridge_testkit installed. Control is
+JSON lines: commands on stdin, one reply line per command on stdout (logs go to stderr). The
+first stdout line is ``{"event": "ready", ...}``.
 
 Commands: ``status``; ``exit``; ``clear`` (zero the memory); ``verify`` (compare blocks byte
 for byte against a producer's seeded pattern). Pull mode: ``pull`` (decode: read blocks, then
@@ -41,10 +43,11 @@ from typing import Any
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
 
-REPO = Path(__file__).resolve().parents[1]
-for sub in ("agent",):
-    if str(REPO / sub) not in sys.path:
-        sys.path.insert(0, str(REPO / sub))
+# Run from a checkout (testkit/kvbridge_testkit/), the checkout's agent comes first; in the agent
+# image (/opt/kvbridge/app/) there is none and the installed kvbridge serves.
+_CHECKOUT_AGENT = Path(__file__).resolve().parents[2] / "agent"
+if (_CHECKOUT_AGENT / "kvbridge_agent").is_dir() and str(_CHECKOUT_AGENT) not in sys.path:
+    sys.path.insert(0, str(_CHECKOUT_AGENT))
 
 import numpy as np  # noqa: E402
 
@@ -98,7 +101,10 @@ class PodAgent:
             from urllib.parse import urlparse
 
             import yaml
-            from bridge import tcp_to_unix
+            try:   # a module of kvbridge_testkit when imported, a script beside bridge.py when run
+                from .bridge import tcp_to_unix
+            except ImportError:
+                from bridge import tcp_to_unix  # type: ignore[no-redef]
 
             kc = yaml.safe_load(Path(args.kubeconfig).read_text())
             server = kc["clusters"][0]["cluster"]["server"]
