@@ -45,6 +45,11 @@ lives in the node's namespace or in one of its containerd shims.
 
 Binaries: kubelet and kube-proxy from ``hack/test-stack.sh ensure``; containerd, runc, CNI
 plugins and ``ctr`` from Debian (installed by the same script).
+
+This module starts a node; :mod:`~kvbridge_testkit.node_net` names and addresses it (and
+connects two), :mod:`~kvbridge_testkit.node_setup` finds its images and binaries and writes its
+config files, :mod:`~kvbridge_testkit.node_teardown` stops it. Their public names are
+importable from here.
 """
 
 from __future__ import annotations
@@ -53,260 +58,71 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shlex
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from kvbridge_testkit import HACK
-from kvbridge_testkit.cluster import (
-    CACHE,
-    ENSURE_HINT,
-    KUBE_VERSION,
-    LocalCluster,
-    StackMissingError,
-    terminate,
+from kvbridge_testkit.cluster import CACHE, LocalCluster
+from kvbridge_testkit.node_net import (
+    CGROUP_ROOT,
+    FIRST,
+    HOST_IP,
+    HOST_VETH,
+    LINK_PREFIX,
+    NETNS,
+    NODE_IP,
+    NODE_NAME,
+    NODE_VETH,
+    POD_CIDR,
+    RUN_DIR,
+    SERVICE_CIDR,
+    NodeNet,
+    connect,
+    host_rules,
+    host_sysctls,
+    remove_netns_file,
+    sh,
+    stale_pod_netns,
 )
+from kvbridge_testkit.node_setup import (
+    IMAGES_SCRIPT,
+    PAUSE_IMAGE,
+    ImagesMissingError,
+    NodeBinaries,
+    cni_config,
+    containerd_config,
+    image_archives,
+    node_images,
+)
+from kvbridge_testkit.node_teardown import NodeTeardown
+
+# The names callers import from here; node_net, node_setup and node_teardown hold them.
+__all__ = [
+    "FIRST", "HOST_IP", "HOST_VETH", "IMAGES_SCRIPT", "LINK_PREFIX", "NETNS", "NODE_IP",
+    "NODE_NAME", "NODE_VETH", "PAUSE_IMAGE", "POD_CIDR", "RUN_DIR", "SERVICE_CIDR",
+    "ImagesMissingError", "NodeBinaries", "NodeError", "NodeNet", "RealNode", "connect",
+    "image_archives", "node_images", "start_all", "stop_all",
+]  # fmt: skip
 
 log = logging.getLogger("kvbridge.node")
 
-LINK_PREFIX = 30
-#: The pod network of every node: node i takes 10.88.i.0/24 of it.
-POD_CIDR = "10.88.0.0/16"
-SERVICE_CIDR = "10.0.0.0/24"
-BRIDGE = "kvb0"
-PAUSE_IMAGE = "registry.k8s.io/pause:3.6"
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: Fixed paths in kubelet 1.20, which deletes every pod directory there it does not know: each
 #: node mounts directories of its own over them in its mount namespace.
 POD_LOGS = Path("/var/log/pods")
 CONTAINER_LOGS = Path("/var/log/containers")
 
 
-@dataclass(frozen=True)
-class NodeNet:
-    """Names and addresses of node ``index`` (0 is the first): its network namespace, its
-    link to the host, its share of the pod network and its state directory. Everything is
-    derived from the index, so two nodes never collide and a crashed run's remains are found
-    by the same names."""
-
-    index: int
-
-    @property
-    def name(self) -> str:
-        return "kvb-node" if self.index == 0 else f"kvb-node-{self.index + 1}"
-
-    @property
-    def netns(self) -> str:
-        return self.name
-
-    @property
-    def host_veth(self) -> str:
-        return f"kvbh{self.index}"
-
-    @property
-    def node_veth(self) -> str:
-        return f"kvbn{self.index}"
-
-    @property
-    def host_ip(self) -> str:
-        return f"10.87.{self.index}.1"
-
-    @property
-    def node_ip(self) -> str:
-        return f"10.87.{self.index}.2"
-
-    @property
-    def pod_cidr(self) -> str:
-        return f"10.88.{self.index}.0/24"
-
-    @property
-    def run_dir(self) -> Path:
-        return Path("/run") / self.name  # short: unix socket paths are limited to 108 bytes
-
-    @property
-    def cgroup_parent(self) -> str:
-        """The kubelet's ``--cgroup-root``: each node's pods under a tree of its own."""
-        return "/" if self.index == 0 else f"/{self.name}"
-
-    @property
-    def translates_host_services(self) -> bool:
-        """The host routes the Service range to the first node, whose kube-proxy translates it
-        (one route per range: the host does not forward, so one node answers for all)."""
-        return self.index == 0
-
-
-FIRST = NodeNet(0)
-#: The first node: the apiserver binds its host end, which every node reaches by its own link.
-HOST_IP, NODE_IP = FIRST.host_ip, FIRST.node_ip
-NODE_NAME = NETNS = FIRST.name
-HOST_VETH, NODE_VETH = FIRST.host_veth, FIRST.node_veth
-RUN_DIR = FIRST.run_dir
-
-
-IMAGES_SCRIPT = HACK / "node-images.sh"
-
-
-class ImagesMissingError(RuntimeError):
-    """The image archives are not built (or stale); the message says how to build them."""
-
-
-def node_images(build: bool = False) -> dict[str, str]:
-    """``KVB_IMAGE_*`` of hack/node-images.sh: archive paths and image names. Missing or stale
-    archives are built when ``build`` (about 3 minutes the first time), else an error."""
-    check = subprocess.run(["bash", str(IMAGES_SCRIPT), "check"], capture_output=True,
-                           text=True)  # fmt: skip
-    if check.returncode != 0:
-        if not build:
-            raise ImagesMissingError(
-                f"node images missing or stale: run `bash {IMAGES_SCRIPT} ensure` (about 3 "
-                f"minutes the first time, then cached). {check.stderr.strip()}"
-            )
-        subprocess.run(["bash", str(IMAGES_SCRIPT), "ensure"], check=True)
-    out = subprocess.run(["bash", str(IMAGES_SCRIPT), "paths"], capture_output=True, text=True,
-                         check=True).stdout  # fmt: skip
-    return dict(line.split("=", 1) for line in out.split() if "=" in line)
-
-
-def image_archives(images: dict[str, str]) -> list[Path]:
-    """The archives a node imports: the sandbox image first, then the operator, the agent,
-    the vLLM serving image and the demo gateway's Envoy."""
-    return [Path(images[k]) for k in ("KVB_IMAGE_PAUSE_TAR", "KVB_IMAGE_OPERATOR_TAR",
-                                      "KVB_IMAGE_AGENT_TAR", "KVB_IMAGE_VLLM_TAR",
-                                      "KVB_IMAGE_ENVOY_TAR")]  # fmt: skip
-
-
 class NodeError(RuntimeError):
     """The node could not be started or torn down; the message names the step and its log."""
 
 
-@dataclass(frozen=True)
-class NodeBinaries:
-    kubelet: Path
-    kube_proxy: Path
-    containerd: Path
-    ctr: Path
-    runc: Path
-    cni_dir: Path
-
-    @classmethod
-    def find(cls) -> NodeBinaries:
-        kube = CACHE / f"kube-{KUBE_VERSION}"
-        paths = {
-            "kubelet": Path(os.environ.get("KVB_KUBELET") or kube / "kubelet"),
-            "kube_proxy": Path(os.environ.get("KVB_KUBE_PROXY") or kube / "kube-proxy"),
-            "containerd": Path(shutil.which("containerd") or "/usr/bin/containerd"),
-            "ctr": Path(shutil.which("ctr") or "/usr/bin/ctr"),
-            "runc": Path(shutil.which("runc") or "/usr/sbin/runc"),
-            "cni_dir": Path("/usr/lib/cni"),
-        }
-        missing = [f"{k}={p}" for k, p in paths.items() if not p.exists()]
-        if not (paths["cni_dir"] / "bridge").exists():
-            missing.append(f"cni bridge plugin in {paths['cni_dir']}")
-        if missing:
-            raise StackMissingError(f"node binaries missing ({', '.join(missing)}): {ENSURE_HINT}")
-        return cls(**paths)
-
-
-def _sh(*cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(cmd), capture_output=True, text=True, check=check, timeout=timeout)
-
-
-def _stale_pod_netns() -> list[str]:
-    """Pod network namespaces (CNI names them ``cni-<uuid>``) that no process uses any more."""
-    netns_dir = Path("/run/netns")
-    names = sorted(n for n in os.listdir(netns_dir) if n.startswith("cni-")) \
-        if netns_dir.is_dir() else []
-    return [n for n in names if not _sh("ip", "netns", "pids", n, check=False).stdout.split()]
-
-
-def _remove_netns_file(name: str) -> None:
-    path = Path("/run/netns") / name
-    _sh("umount", "-l", str(path), check=False)
-    with contextlib.suppress(OSError):
-        path.unlink()
-
-
-def host_rules() -> list[str]:
-    """The host's iptables rules and chains (comments and counters dropped): the node's live in
-    its own network namespace, so these must not change."""
-    out = _sh("iptables-save").stdout.splitlines()
-    return [line.split(" [", 1)[0] for line in out if not line.startswith("#")]
-
-
-#: Host settings a kubelet or kube-proxy would rewrite by default; the node must leave them be.
-WATCHED_SYSCTLS = ("kernel/panic", "kernel/panic_on_oops", "vm/overcommit_memory",
-                   "vm/panic_on_oom", "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes",
-                   "net/ipv4/ip_forward", "net/ipv4/conf/all/route_localnet",
-                   "net/netfilter/nf_conntrack_max")  # fmt: skip
-
-
-def host_sysctls() -> dict[str, str]:
-    out = {}
-    for name in WATCHED_SYSCTLS:
-        with contextlib.suppress(OSError):
-            out[name] = (Path("/proc/sys") / name).read_text().strip()
-    return out
-
-
-def containerd_config(root: Path, state: Path, socket: Path, cni_conf: Path, cni_bin: Path) -> str:
-    """containerd 1.6 settings found by failures on these machines (shared/notes/real-node.md):
-    no negative oom_score_adj, no hugetlb controller, cgroupfs (no systemd); runc keeps its
-    state under the node's own directory (not the shared /run/containerd/runc)."""
-    cri = 'plugins."io.containerd.grpc.v1.cri"'
-    return f"""version = 2
-root = "{root}"
-state = "{state}"
-[grpc]
-  address = "{socket}"
-[ttrpc]
-  address = "{socket}.ttrpc"
-[plugins."io.containerd.internal.v1.opt"]
-  path = "{root}/opt"
-[{cri}]
-  sandbox_image = "{PAUSE_IMAGE}"
-  restrict_oom_score_adj = true
-  tolerate_missing_hugetlb_controller = true
-  disable_apparmor = true
-  [{cri}.containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [{cri}.containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [{cri}.containerd.runtimes.runc.options]
-        SystemdCgroup = false
-        Root = "{state}/runc"
-  [{cri}.cni]
-    bin_dir = "{cni_bin}"
-    conf_dir = "{cni_conf}"
-"""
-
-
-def cni_config(ipam_dir: Path, pod_cidr: str) -> dict[str, Any]:
-    """A bridge network with host-local addresses; no masquerade: nothing leaves the machine."""
-    return {
-        "cniVersion": "0.4.0",
-        "name": "kvbridge",
-        "plugins": [
-            {
-                "type": "bridge", "bridge": BRIDGE, "isGateway": True, "ipMasq": False,
-                "hairpinMode": True,
-                "ipam": {"type": "host-local", "dataDir": str(ipam_dir),
-                         "ranges": [[{"subnet": pod_cidr}]], "routes": [{"dst": "0.0.0.0/0"}]},
-            },
-        ],
-    }  # fmt: skip
-
-
 @dataclass
-class RealNode:
+class RealNode(NodeTeardown):
     """A kubelet node registered with ``cluster``; see the module docstring."""
 
     images: list[Path] = field(default_factory=list)
@@ -373,13 +189,13 @@ class RealNode:
             raise NodeError(f"another node runs here: processes {alive} live in network "
                             f"namespace {netns} or in containerd shims of {run_dir}; stop that "
                             f"run first")
-        stale_netns = _stale_pod_netns()
+        stale_netns = stale_pod_netns()
         log.warning("clearing what a crashed node run left: netns %s, %s",
                     [netns, *stale_netns], run_dir)  # fmt: skip
         stale_workdirs = [d for d in Path("/var/tmp").glob(f"{self.name}.*") if d != self.workdir]
         self._unmount_under(run_dir, *stale_workdirs)
         for name in stale_netns:
-            _remove_netns_file(name)
+            remove_netns_file(name)
         self._remove_cgroups()
         self._remove_link()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -387,7 +203,7 @@ class RealNode:
             shutil.rmtree(workdir, ignore_errors=True)
 
     def _other_node_processes(self) -> list[int]:
-        in_netns = _sh("ip", "netns", "pids", self.net.netns, check=False).stdout.split()
+        in_netns = sh("ip", "netns", "pids", self.net.netns, check=False).stdout.split()
         return sorted({int(pid) for pid in in_netns} | set(self._shim_pids()))
 
     def start(self, cluster: LocalCluster, timeout: float = 120.0) -> RealNode:
@@ -412,31 +228,25 @@ class RealNode:
 
     def _link_up(self) -> None:
         n = self.net
-        _sh("ip", "netns", "add", n.netns)
-        _sh("ip", "link", "add", n.host_veth, "type", "veth", "peer", "name", n.node_veth,
-            "netns", n.netns)  # fmt: skip
-        _sh("ip", "addr", "add", f"{n.host_ip}/{LINK_PREFIX}", "dev", n.host_veth)
-        _sh("ip", "link", "set", n.host_veth, "up")
+        sh("ip", "netns", "add", n.netns)
+        sh("ip", "link", "add", n.host_veth, "type", "veth", "peer", "name", n.node_veth,
+           "netns", n.netns)  # fmt: skip
+        sh("ip", "addr", "add", f"{n.host_ip}/{LINK_PREFIX}", "dev", n.host_veth)
+        sh("ip", "link", "set", n.host_veth, "up")
         node = ["ip", "netns", "exec", n.netns]
-        _sh(*node, "ip", "addr", "add", f"{n.node_ip}/{LINK_PREFIX}", "dev", n.node_veth)
-        _sh(*node, "ip", "link", "set", n.node_veth, "up")
-        _sh(*node, "ip", "link", "set", "lo", "up")
+        sh(*node, "ip", "addr", "add", f"{n.node_ip}/{LINK_PREFIX}", "dev", n.node_veth)
+        sh(*node, "ip", "link", "set", n.node_veth, "up")
+        sh(*node, "ip", "link", "set", "lo", "up")
         # Every node reaches the apiserver (HOST_IP) through its own link: the host delivers
         # what is addressed to it whichever link it came in on.
-        _sh(*node, "ip", "route", "add", "default", "via", n.host_ip)
+        sh(*node, "ip", "route", "add", "default", "via", n.host_ip)
         # A Service address kube-proxy has not translated (yet) fails at once instead of
         # looping between host and node until its TTL runs out.
-        _sh(*node, "ip", "route", "add", "unreachable", self.service_cidr)
+        sh(*node, "ip", "route", "add", "unreachable", self.service_cidr)
         # Per-namespace: forwarding between pods, Services and the link happens in the node.
-        _sh(*node, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        sh(*node, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         for cidr in self._host_routes():
-            _sh("ip", "route", "add", cidr, "via", n.node_ip, "dev", n.host_veth)
-
-    def _host_routes(self) -> list[str]:
-        """What the host routes into this node: its pods, and the Service range if it is the
-        node that translates the host's Service traffic."""
-        return [self.net.pod_cidr, *([self.service_cidr] if self.net.translates_host_services
-                                     else [])]  # fmt: skip
+            sh("ip", "route", "add", cidr, "via", n.node_ip, "dev", n.host_veth)
 
     def _mount_namespace_up(self) -> None:
         """A mount namespace of the node's own, where its kubelet and containerd run: it holds
@@ -448,8 +258,8 @@ class RealNode:
         run_dir = self.net.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         # A namespace file can only be bound onto a mount that does not propagate.
-        _sh("mount", "--bind", str(run_dir), str(run_dir))
-        _sh("mount", "--make-private", str(run_dir))
+        sh("mount", "--bind", str(run_dir), str(run_dir))
+        sh("mount", "--make-private", str(run_dir))
         self.mount_ns.touch()
         binds = []
         for shared, own in ((POD_LOGS, self.workdir / "pod-logs"),
@@ -459,8 +269,8 @@ class RealNode:
                 shared.mkdir(parents=True)
                 self._made_dirs.append(shared)
             binds.append(f"mount --bind {shlex.quote(str(own))} {shlex.quote(str(shared))}")
-        _sh("unshare", f"--mount={self.mount_ns}", "--propagation", "unchanged", "--",
-            "sh", "-c", " && ".join(binds))  # fmt: skip
+        sh("unshare", f"--mount={self.mount_ns}", "--propagation", "unchanged", "--",
+           "sh", "-c", " && ".join(binds))  # fmt: skip
 
     def _make_cgroup_parent(self) -> None:
         """The kubelet's ``--cgroup-root`` must exist in every hierarchy; cpuset needs its CPUs
@@ -524,8 +334,8 @@ class RealNode:
     def ctr(self, *args: str, check: bool = True, timeout: float = 120
             ) -> subprocess.CompletedProcess[str]:  # fmt: skip
         """``ctr`` against this node's containerd, in the Kubernetes namespace."""
-        return _sh(str(self.binaries.ctr), "--address", str(self.socket), "-n", "k8s.io",
-                   *args, check=check, timeout=timeout)  # fmt: skip
+        return sh(str(self.binaries.ctr), "--address", str(self.socket), "-n", "k8s.io",
+                  *args, check=check, timeout=timeout)  # fmt: skip
 
     def _import_images(self) -> None:
         # Containers a crashed run left in the kept store would come back as ghost sandboxes.
@@ -610,174 +420,6 @@ class RealNode:
             time.sleep(0.5)
         raise NodeError(f"node {self.name} not Ready: {last}; see {self.log('kubelet')}")
 
-    # -- teardown ----------------------------------------------------------------------------
-    def stop(self) -> None:
-        """Delete pods, stop the daemons, remove everything the node made (idempotent)."""
-        steps: list[tuple[str, Any]] = [
-            ("drain", self._drain_if_running),
-            ("daemons", lambda: [self._terminate(n) for n in ("kube-proxy", "kubelet")]),
-            ("tasks", self._remove_tasks),
-            ("containerd", lambda: self._terminate("containerd")),
-            ("shims", self._kill_shims),
-            ("mounts", lambda: self._unmount_under(self.net.run_dir,
-                                                   *filter(None, [self.workdir]))),
-            ("cgroups", self._remove_cgroups),
-            ("netns", self._remove_pod_netns),
-            ("link", self._remove_link),
-            ("dirs", self._remove_made_dirs),
-        ]
-        for name, step in steps:
-            start = time.monotonic()
-            try:
-                step()
-            except Exception as exc:  # keep going: every later step removes something else
-                log.warning("node teardown step %s failed: %s", name, exc)
-            log.debug("node teardown step %s took %.1f s", name, time.monotonic() - start)
-        shutil.rmtree(self.net.run_dir, ignore_errors=True)
-        if self.workdir is not None and not os.environ.get("KVB_KEEP"):
-            shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def _drain_if_running(self) -> None:
-        if "kubelet" not in self._procs or self._procs["kubelet"].poll() is not None:
-            return
-        assert self.cluster is not None
-        if not _sh("ip", "-o", "addr", "show", "to", self.cluster.address).stdout.strip():
-            # The first node stopped before this one and took the apiserver's address with its
-            # link: a call now would leave the machine by its default route. Its pods go with
-            # the tasks, the shims and the namespaces below.
-            log.warning("not draining %s: the apiserver's address %s is gone (stop the first "
-                        "node last)", self.name, self.cluster.address)  # fmt: skip
-            return
-        self._drain(time.monotonic() + 60)
-
-    def _drain(self, deadline: float) -> None:
-        """Cordon the node, delete every pod bound to it and wait until containerd runs no
-        sandbox, so the kubelet tears each down through CNI (address released, veth gone)."""
-        from kubernetes import client
-
-        assert self.cluster is not None
-        core = client.CoreV1Api(self.cluster.api_client())
-        # Cordon first: a Deployment's replacement pods must not land here while it drains.
-        core.patch_node(self.name, {"spec": {"unschedulable": True}})
-        pods = core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.name}")
-        for pod in pods.items:
-            with contextlib.suppress(client.ApiException):
-                core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace,
-                                           grace_period_seconds=0)
-        while time.monotonic() < deadline:
-            if not self.running_tasks():
-                return
-            time.sleep(0.5)
-
-    def running_tasks(self) -> list[str]:
-        """Container and sandbox tasks containerd runs now (stopped ones left out)."""
-        rows = self.ctr("tasks", "ls", check=False, timeout=20).stdout.splitlines()[1:]
-        return [r.split()[0] for r in rows if r.split()[2:3] == ["RUNNING"]]
-
-    def _terminate(self, name: str) -> None:
-        proc = self._procs.pop(name, None)
-        if proc is not None:
-            terminate(proc, timeout=15)
-
-    def _remove_tasks(self) -> None:
-        if "containerd" not in self._procs:
-            return
-        for task in self.ctr("tasks", "ls", "-q", check=False, timeout=20).stdout.split():
-            self.ctr("tasks", "kill", "-s", "SIGKILL", task, check=False, timeout=20)
-        time.sleep(0.5)
-        for task in self.ctr("tasks", "ls", "-q", check=False, timeout=20).stdout.split():
-            self.ctr("tasks", "delete", "--force", task, check=False, timeout=20)
-
-    def _shim_pids(self) -> list[int]:
-        marker = str(self.socket).encode()
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            with contextlib.suppress(OSError):
-                cmdline = (entry / "cmdline").read_bytes()
-                if b"containerd-shim" in cmdline and marker in cmdline:
-                    pids.append(int(entry.name))
-        return pids
-
-    def _kill_shims(self) -> None:
-        for pid in self._shim_pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(os.getpgid(pid), signal.SIGKILL)
-
-    @staticmethod
-    def _mounts_under(*roots: Path) -> list[str]:
-        prefixes = tuple(str(r).rstrip("/") + "/" for r in roots)
-        points = []
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                point = line.split()[1].encode().decode("unicode_escape")
-                if point.startswith(prefixes) or point in {p.rstrip("/") for p in prefixes}:
-                    points.append(point)
-        return points
-
-    def _unmount_under(self, *roots: Path) -> None:
-        for point in sorted(self._mounts_under(*roots), key=len, reverse=True):
-            _sh("umount", "-l", point, check=False)
-
-    def _kubepods_cgroups(self) -> list[Path]:
-        """The node's pod cgroup trees (for a node with a parent of its own, that parent)."""
-        top = self.net.cgroup_parent.strip("/") or "kubepods"
-        return [d for d in CGROUP_ROOT.glob(f"*/{top}") if d.is_dir()]
-
-    def _remove_cgroups(self) -> None:
-        for top in self._kubepods_cgroups():
-            for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-                with contextlib.suppress(OSError):
-                    d.rmdir()
-            with contextlib.suppress(OSError):
-                top.rmdir()
-
-    def _new_netns(self) -> list[str]:
-        now = set(os.listdir("/run/netns")) if Path("/run/netns").is_dir() else set()
-        return sorted(now - self._netns_before)
-
-    def _remove_pod_netns(self) -> None:
-        """Pod namespaces made since this node came up that no process uses any more (another
-        node's running pods keep theirs)."""
-        stale = set(_stale_pod_netns())
-        for name in self._new_netns():
-            if name in stale:
-                _remove_netns_file(name)
-
-    def _remove_link(self) -> None:
-        n = self.net
-        for cidr in self._host_routes():
-            _sh("ip", "route", "del", cidr, "via", n.node_ip, check=False)
-        _sh("ip", "link", "del", n.host_veth, check=False)
-        _sh("ip", "netns", "del", n.netns, check=False)
-
-    def _remove_made_dirs(self) -> None:
-        for path in self._made_dirs:
-            with contextlib.suppress(OSError):
-                path.rmdir()
-        self._made_dirs.clear()
-
-    def leftovers(self) -> dict[str, list[str]]:
-        """What a stopped node left on the host, by kind; empty lists when clean."""
-        links = _sh("ip", "-o", "link", "show").stdout
-        sysctls = host_sysctls()
-        routes = _sh("ip", "route", "show").stdout
-        return {
-            "links": re.findall(rf"^\d+: ({self.net.host_veth}|{BRIDGE}|veth\w+)[@:]", links,
-                                re.M),
-            "routes": [r for r in routes.splitlines() if f"via {self.net.node_ip} " in r],
-            "netns": self._new_netns(),
-            "mounts": self._mounts_under(self.net.run_dir,
-                                         *([self.workdir] if self.workdir else [])),
-            "cgroups": [str(p) for p in self._kubepods_cgroups()],
-            "shims": [str(p) for p in self._shim_pids()],
-            "daemons": [n for n, p in self._procs.items() if p.poll() is None],
-            "host_iptables": sorted(set(host_rules()) ^ set(self._host_rules_before)),
-            "host_sysctls": [f"{k}: {v} -> {sysctls.get(k)}"
-                             for k, v in self._sysctls_before.items() if sysctls.get(k) != v],
-        }
-
 
 def start_all(nodes: Sequence[RealNode], cluster: LocalCluster) -> None:
     """Start every node (links up) against ``cluster`` and :func:`connect` each pair."""
@@ -793,20 +435,3 @@ def stop_all(nodes: Sequence[RealNode]) -> None:
     the others need to drain (idempotent, as ``RealNode.stop``)."""
     for node in sorted(nodes, key=lambda n: n.index, reverse=True):
         node.stop()
-
-
-def connect(a: RealNode, b: RealNode) -> None:
-    """A direct link between two nodes' network namespaces and a route to each other's pods:
-    one pod network over both nodes. The host does not forward (its ``ip_forward`` stays as it
-    is), so node-to-node traffic never passes through it; the link goes with either namespace."""
-    first, second = sorted((a, b), key=lambda n: n.index)
-    i, j = first.index, second.index
-    net = f"10.87.{200 + i}"  # one /30 per pair of nodes
-    ends = [(first, f"kvbp{j}", f"{net}.{4 * j + 1}"), (second, f"kvbp{i}", f"{net}.{4 * j + 2}")]
-    _sh("ip", "-n", first.net.netns, "link", "add", ends[0][1], "type", "veth", "peer",
-        "name", ends[1][1], "netns", second.net.netns)  # fmt: skip
-    for node, dev, addr in ends:
-        _sh("ip", "-n", node.net.netns, "addr", "add", f"{addr}/{LINK_PREFIX}", "dev", dev)
-        _sh("ip", "-n", node.net.netns, "link", "set", dev, "up")
-    for (node, _, _), (other, _, other_addr) in (ends, ends[::-1]):
-        _sh("ip", "-n", node.net.netns, "route", "add", other.net.pod_cidr, "via", other_addr)
