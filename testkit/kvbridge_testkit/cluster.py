@@ -3,15 +3,17 @@
 ``LocalCluster`` starts etcd, kube-apiserver and kube-controller-manager (garbage collector,
 namespace, service-account and workload controllers) as child processes on free loopback
 ports, with a temporary data directory, an admin token, RBAC authorization and service-account
-signing keys, and writes an admin kubeconfig. ``FakeKubelet`` plays the node: it registers
-Ready Nodes, binds Pending pods, marks them Running/Ready with a podIP and finishes pod
-deletion. With ``real_nodes=True`` it also runs kube-scheduler and serves real kubelets
-(:mod:`kvbridge_testkit.node`): ServiceAccount admission with pod-bound tokens, the ``kubernetes``
-Service's endpoints, and the endpoint, root-CA and node-lifecycle controllers. Binaries come
-from ``hack/test-stack.sh ensure``.
+signing keys, and writes an admin kubeconfig. ``FakeKubelet``
+(:mod:`~kvbridge_testkit.fake_kubelet`) plays the node: it registers Ready Nodes, binds Pending
+pods, marks them Running/Ready with a podIP and finishes pod deletion. With
+``real_nodes=True`` it also runs kube-scheduler and serves real kubelets
+(:mod:`kvbridge_testkit.node`): ServiceAccount admission with pod-bound tokens, the
+``kubernetes`` Service's endpoints, and the endpoint, root-CA and node-lifecycle controllers.
+Binaries come from ``hack/test-stack.sh ensure`` (:mod:`~kvbridge_testkit.stack`). Every wait
+has a deadline.
 
-Threads: ``FakeKubelet`` runs one daemon thread with a pod watch (reconnecting on expiry);
-``stop()`` sets an event and closes the watch. Every wait has a deadline.
+``FakeKubelet``, the stack's names and the process helpers (:mod:`~kvbridge_testkit.procs`)
+stay importable from here.
 
 CLI (for a demo or by hand)::
 
@@ -21,114 +23,34 @@ CLI (for a demo or by hand)::
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbridge_testkit import HACK
-
-KUBE_VERSION = "v1.20.2"
-CACHE = Path(os.environ.get("KVB_CACHE", "/var/cache/kvbridge"))
-ENSURE_HINT = (
-    f"run `bash {HACK / 'test-stack.sh'} ensure` as root first (builds Kubernetes "
-    f"{KUBE_VERSION}'s control plane, kubelet and kube-proxy once, ~8 minutes, installs the "
-    f"node's containerd, and fetches kubectl/helm)"
+from kvbridge_testkit.fake_kubelet import FakeKubelet
+from kvbridge_testkit.procs import free_port, terminate
+from kvbridge_testkit.stack import (
+    CACHE,
+    ENSURE_HINT,
+    KUBE_VERSION,
+    Binaries,
+    StackMissingError,
 )
 
-
-class StackMissingError(RuntimeError):
-    """A test-stack binary is missing; the message says how to install it."""
-
-
-@dataclass(frozen=True)
-class Binaries:
-    etcd: Path
-    kube_apiserver: Path
-    kube_controller_manager: Path
-    kubectl: Path
-    helm: Path
-    kube_scheduler: Path | None = None
-
-    @classmethod
-    def find(cls) -> Binaries:
-        """Locate the binaries (env overrides ``KVB_KUBE_APISERVER`` ...) or raise."""
-        kube = CACHE / f"kube-{KUBE_VERSION}"
-        candidates = {
-            "etcd": os.environ.get("KVB_ETCD") or shutil.which("etcd") or "/usr/bin/etcd",
-            "kube_apiserver": os.environ.get("KVB_KUBE_APISERVER") or kube / "kube-apiserver",
-            "kube_controller_manager": os.environ.get("KVB_KUBE_CONTROLLER_MANAGER")
-            or kube / "kube-controller-manager",
-            "kubectl": os.environ.get("KVB_KUBECTL") or CACHE / "bin" / "kubectl",
-            "helm": os.environ.get("KVB_HELM") or CACHE / "bin" / "helm",
-        }
-        paths = {k: Path(v) for k, v in candidates.items()}
-        missing = [f"{k}={p}" for k, p in paths.items() if not os.access(p, os.X_OK)]
-        if missing:
-            raise StackMissingError(
-                f"test stack binaries missing ({', '.join(missing)}): {ENSURE_HINT}"
-            )
-        scheduler = Path(os.environ.get("KVB_KUBE_SCHEDULER") or kube / "kube-scheduler")
-        return cls(**paths, kube_scheduler=scheduler if os.access(scheduler, os.X_OK) else None)
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A free TCP port for a child process to bind later, below the kernel's ephemeral range.
-
-    A port from ``bind(0)`` is an ephemeral one: until the child binds it, any outgoing
-    connection on the machine may be given it ("Address already in use"). Ports below the
-    range are only taken by explicit binds; each is handed out once per process.
-    """
-    low = _ephemeral_low()
-    rng = secrets.SystemRandom()
-    for _ in range(500):
-        port = rng.randrange(max(1024, low - 12000), low)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def terminate(proc: subprocess.Popen[Any], timeout: float) -> None:
-    """SIGTERM, then SIGKILL if ``proc`` is still there after ``timeout`` seconds."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=5)
+__all__ = [
+    "CACHE", "ENSURE_HINT", "KUBE_VERSION", "Binaries", "FakeKubelet", "LocalCluster",
+    "StackMissingError", "free_port", "terminate",
+]  # fmt: skip
 
 
 def _run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -397,150 +319,6 @@ current-context: {user}@local
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
-
-
-class FakeKubelet:
-    """Registers Ready Nodes and moves pods through their life as a kubelet would.
-
-    - Nodes ``nodes`` (name -> labels) are created Ready.
-    - A Pending pod without ``spec.nodeName`` is bound to the first node whose labels satisfy
-      its ``nodeSelector`` (round robin), then marked Running/Ready with a podIP.
-    - A pod with a deletionTimestamp is deleted with grace period 0 (the kubelet's job).
-    """
-
-    def __init__(self, api_client: Any, nodes: Mapping[str, Mapping[str, str]] | None = None):
-        from kubernetes import client
-
-        self._core = client.CoreV1Api(api_client)
-        self._nodes = dict(nodes or {"node-a": {}})
-        self._stop = threading.Event()
-        self._rr = itertools.count()
-        self._ips = (f"10.244.{i // 250}.{i % 250 + 2}" for i in itertools.count())
-        self._thread = threading.Thread(target=self._loop, name="fake-kubelet", daemon=True)
-        self._watch: Any = None
-
-    def __enter__(self) -> FakeKubelet:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def start(self) -> FakeKubelet:
-        for name, labels in self._nodes.items():
-            self._register_node(name, labels)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._watch is not None:
-            self._watch.stop()
-        self._thread.join(timeout=10)
-
-    def _register_node(self, name: str, labels: Mapping[str, str]) -> None:
-        from kubernetes.client.exceptions import ApiException
-
-        body = {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **labels}},
-        }
-        with contextlib.suppress(ApiException):
-            self._core.create_node(body)
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self._core.patch_node_status(
-            name,
-            {
-                "status": {
-                    "conditions": [
-                        {"type": "Ready", "status": "True", "reason": "KubeletReady",
-                         "message": "fake kubelet", "lastHeartbeatTime": now,
-                         "lastTransitionTime": now}
-                    ],
-                    "capacity": {"cpu": "64", "memory": "256Gi", "pods": "1000"},
-                    "allocatable": {"cpu": "64", "memory": "256Gi", "pods": "1000"},
-                }
-            },
-        )  # fmt: skip
-
-    def _loop(self) -> None:
-        from kubernetes import watch
-
-        while not self._stop.is_set():
-            try:
-                self._watch = watch.Watch()
-                for ev in self._watch.stream(
-                    self._core.list_pod_for_all_namespaces, timeout_seconds=60
-                ):
-                    if self._stop.is_set():
-                        return
-                    if ev["type"] in ("ADDED", "MODIFIED"):
-                        self._handle(ev["object"])
-            except Exception:
-                if self._stop.wait(0.5):
-                    return
-
-    def _handle(self, pod: Any) -> None:
-        from kubernetes.client.exceptions import ApiException
-
-        meta, spec, status = pod.metadata, pod.spec, pod.status
-        try:
-            if meta.deletion_timestamp is not None:
-                self._core.delete_namespaced_pod(meta.name, meta.namespace, grace_period_seconds=0)
-                return
-            if not spec.node_name:
-                node = self._pick_node(spec.node_selector or {})
-                if node is None:
-                    return
-                self._core.create_namespaced_binding(
-                    meta.namespace,
-                    {
-                        "apiVersion": "v1",
-                        "kind": "Binding",
-                        "metadata": {"name": meta.name},
-                        "target": {"apiVersion": "v1", "kind": "Node", "name": node},
-                    },
-                    _preload_content=False,
-                )
-                return
-            if spec.node_name in self._nodes and (status.phase != "Running" or not status.pod_ip):
-                self._mark_running(pod)
-        except ApiException as exc:
-            if exc.status not in (404, 409):
-                raise
-
-    def _pick_node(self, selector: Mapping[str, str]) -> str | None:
-        fits = [
-            n for n, labels in self._nodes.items()
-            if all({"kubernetes.io/hostname": n, **labels}.get(k) == v for k, v in selector.items())
-        ]  # fmt: skip
-        return fits[next(self._rr) % len(fits)] if fits else None
-
-    def _mark_running(self, pod: Any) -> None:
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        ready = [
-            {"type": t, "status": "True", "lastTransitionTime": now}
-            for t in ("Initialized", "Ready", "ContainersReady", "PodScheduled")
-        ]
-        containers = [
-            {"name": c.name, "image": c.image, "imageID": "", "ready": True, "started": True,
-             "restartCount": 0, "state": {"running": {"startedAt": now}}}
-            for c in pod.spec.containers
-        ]  # fmt: skip
-        self._core.patch_namespaced_pod_status(
-            pod.metadata.name,
-            pod.metadata.namespace,
-            {
-                "status": {
-                    "phase": "Running",
-                    "podIP": next(self._ips),
-                    "hostIP": "127.0.0.1",
-                    "startTime": now,
-                    "conditions": ready,
-                    "containerStatuses": containers,
-                }
-            },
-        )
 
 
 def main(argv: list[str]) -> int:

@@ -20,8 +20,7 @@ from pathlib import Path
 
 from kvbridge_router.picker import DESTINATION as DESTINATION_HEADER
 from kvbridge_router.picker import SUBSET_KEY, SUBSET_NAMESPACE
-
-from .cluster import free_port
+from kvbridge_testkit.procs import free_port
 
 
 def envoy_binary() -> Path:

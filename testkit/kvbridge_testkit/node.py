@@ -67,7 +67,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbridge_testkit.cluster import CACHE, LocalCluster
+from kvbridge_testkit.cluster import LocalCluster
 from kvbridge_testkit.node_net import (
     CGROUP_ROOT,
     FIRST,
@@ -100,6 +100,7 @@ from kvbridge_testkit.node_setup import (
     node_images,
 )
 from kvbridge_testkit.node_teardown import NodeTeardown
+from kvbridge_testkit.stack import CACHE
 
 # The names callers import from here; node_net, node_setup and node_teardown hold them.
 __all__ = [

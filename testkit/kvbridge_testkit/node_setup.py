@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge_testkit import HACK
-from kvbridge_testkit.cluster import CACHE, ENSURE_HINT, KUBE_VERSION, StackMissingError
 from kvbridge_testkit.node_net import BRIDGE
+from kvbridge_testkit.stack import CACHE, ENSURE_HINT, KUBE_VERSION, StackMissingError
 
 PAUSE_IMAGE = "registry.k8s.io/pause:3.6"
 IMAGES_SCRIPT = HACK / "node-images.sh"

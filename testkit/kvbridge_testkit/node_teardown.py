@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvbridge_testkit.cluster import terminate
 from kvbridge_testkit.node_net import (
     BRIDGE,
     CGROUP_ROOT,
@@ -30,6 +29,7 @@ from kvbridge_testkit.node_net import (
     sh,
     stale_pod_netns,
 )
+from kvbridge_testkit.procs import terminate
 
 if TYPE_CHECKING:
     from kvbridge_testkit.cluster import LocalCluster

@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 from kvbridge_testkit import REPO
-from kvbridge_testkit.cluster import free_port, terminate
+from kvbridge_testkit.procs import free_port, terminate
 
 CHART = REPO / "charts" / "kvbridge"
 DASHBOARD = CHART / "dashboards" / "kvbridge.json"

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge_testkit import REPO
-from kvbridge_testkit.cluster import free_port
+from kvbridge_testkit.procs import free_port
 
 ENGINE_SCRIPT = REPO / "tests" / "vllm_engines" / "vllm_engine.py"
 VENV_SCRIPT = REPO / "hack" / "vllm-venv.sh"

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvbridge_testkit.cluster import free_port
+from kvbridge_testkit.procs import free_port
 from kvbridge_testkit.vllm_harness import REPO, START_TIMEOUT_S, EngineError, vllm_python
 from kvbridge_testkit.vllm_pods import MODEL
 
