@@ -11,6 +11,8 @@ Fields are named as on the wire (``block_strides[2]``); a caller that speaks ano
 vocabulary (KVEndpoint paths, ``EngineInfo`` attributes) passes ``name``, which renames every
 field a message mentions. Standard library only: ``protocol`` (which must not import numpy)
 and ``geometry`` both import this module.
+
+spec §N: sections of docs/protocol.md.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ alignment (§4.3–§4.4), memory-type partitions (§4.6), the byte ranges a rec
 (§4.9) and tensor-parallel mapping (§1.9).
 numpy only: no NIXL, ZMQ, Kubernetes or torch import, so the operator can share it.
 Errors are :class:`GeometryError` subclasses (tree in ``_errors``).
+
+spec §N: sections of docs/protocol.md.
 """
 
 from ._alignment import (

@@ -11,6 +11,8 @@ so the operator validates KVEndpoints with exactly the rules the agent's handsha
   :class:`Verdict` of :class:`Incompatibility` items; :func:`effective_regions` applies the
   v10 fallbacks.
 - Errors: every failure is a :class:`ProtocolError` (``ValueError``).
+
+spec §N: sections of docs/protocol.md.
 """
 
 from ..rules import NIXL_CONNECTOR_VERSION

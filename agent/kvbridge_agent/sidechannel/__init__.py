@@ -8,6 +8,8 @@
 
 Errors: :class:`SideChannelError` (a ``RuntimeError``) for transport problems, and the
 ``kvbridge_agent.protocol.ProtocolError`` family for bad content.
+
+spec §N: sections of docs/protocol.md.
 """
 
 from ._client import HandshakeResult, RankReply, SideChannelClient, fetch_metadata
