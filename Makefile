@@ -12,7 +12,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH_SPEC ?= torch==2.13.0
 NIXL_SPEC ?= nixl-cu12==1.5.1
 
-.PHONY: venv test lint bench clean test-stack node-images vllm-venv demo
+.PHONY: venv test lint bench clean test-stack node-images vllm-venv demo docs
 
 venv: $(VENV)/.installed
 
@@ -53,6 +53,13 @@ test: venv lint test-stack node-images vllm-venv
 # NIXL transfers, an incompatible pod refused. Builds the control plane on first use.
 demo: venv
 	$(PY) demo/run_demo.py
+
+# The generated references in docs/reference/: CRD fields (crds/), Prometheus metrics (the
+# agent's, operator's and router's registries) and the chart's alerts (its PrometheusRule,
+# rendered with the test stack's helm: `make test-stack` fetches it). tests/unit and
+# tests/chart fail while a committed file differs from what this writes.
+docs: venv
+	$(PY) -m kvbridge_testkit.docs_reference
 
 bench: venv vllm-venv node-images
 	@set -e; for b in bench/bench_*.py; do echo ">> $$b" >&2; $(PY) $$b; done
