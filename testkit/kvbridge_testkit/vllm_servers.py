@@ -25,7 +25,7 @@ from kvbridge_testkit.procs import free_port
 from kvbridge_testkit.vllm_harness import REPO, START_TIMEOUT_S, EngineError, vllm_python
 from kvbridge_testkit.vllm_pods import MODEL
 
-#: The CPU settings of notes/vllm-on-cpu.md: the platform stated, one OMP thread per
+#: The CPU settings of docs/platform/vllm-on-cpu.md: the platform stated, one OMP thread per
 #: engine (several share 2 cores), a small KV space, UCX on loopback.
 CPU_ENV = {
     "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",

@@ -30,7 +30,7 @@ KV cache group share one tensor (same ``data_ptr``), indexed by that group's blo
 what one TP rank holds); ``kv_info`` reports shapes, strides and pointers, so a test can
 check these assumptions.
 
-Why each environment setting (notes/vllm-on-cpu.md §3): the platform cannot be inferred on a
+Why each environment setting (docs/platform/vllm-on-cpu.md §3): the platform cannot be inferred on a
 machine without an accelerator; no weights or usage stats can reach the network; in-process
 engines keep the protocol in this process; a 1 GiB KV space and one OMP thread keep two or
 three engines within a 2-core machine; TP > 1 engines bind one core per rank and run niced
@@ -90,7 +90,7 @@ def setup_environment(tp_size: int) -> None:
     for key, value in DEFAULT_ENV.items():
         os.environ.setdefault(key, value)
     if tp_size > 1:
-        # one core list per rank, or the CPU workers refuse to start (notes/vllm-on-cpu.md)
+        # one core list per rank, or the CPU workers refuse to start (docs/platform/vllm-on-cpu.md)
         cores = sorted(os.sched_getaffinity(0))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                               "|".join(str(cores[r % len(cores)]) for r in range(tp_size)))

@@ -6,7 +6,7 @@ releases them in reverse order of acquisition. Transfer handles belong to whoeve
 them (the engines), which must release them; :meth:`close` releases leftovers last-chance.
 
 Threads: NIXL runs one progress thread per agent. The stock Python wrapper hard-codes its
-delay to 0, which busy-spins a full core even when idle (notes/nixl-on-cpu.md §0, §1.3); we
+delay to 0, which busy-spins a full core even when idle (docs/platform/nixl-on-cpu.md §0, §1.3); we
 patch the delay to ``AgentConfig.progress_delay_us`` (100 µs by default) while constructing.
 NIXL is not assumed thread-safe: call one agent from one thread at a time.
 

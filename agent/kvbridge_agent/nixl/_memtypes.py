@@ -3,7 +3,7 @@
 Regions carry a logical kind (``"DRAM"`` for host pools, ``"VRAM"`` for device pools, as in
 the v11 metadata). NIXL needs a memory type per registration and per descriptor list. In
 production the two coincide; on a CPU-only machine NIXL refuses ``"VRAM"`` for host memory
-(notes/nixl-on-cpu.md §6), so tests map both kinds to ``"DRAM"`` and let two DRAM pools play
+(docs/platform/nixl-on-cpu.md §6), so tests map both kinds to ``"DRAM"`` and let two DRAM pools play
 the DRAM and VRAM roles. Everything else (one dlist per (side, kind), one transfer per kind
 pair) is keyed by the logical kind, so the split logic is exercised identically in both.
 """

@@ -3,7 +3,7 @@
 One entry per remote (engine id, TP rank). Re-adding an entry (a restarted peer, a new
 epoch) first drops the stale one: its prepared lists are released and its agent removed,
 because NIXL refuses to load metadata under a name it already holds
-(notes/nixl-on-cpu.md §5b) and old prepared lists would point at dead memory.
+(docs/platform/nixl-on-cpu.md §5b) and old prepared lists would point at dead memory.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 UCX picks a transport per endpoint configuration (cma within a host, tcp, rc/dc over
 InfiniBand, cuda_ipc over NVLink, ...) and falls back silently when the fast one is not
 reachable: a pod without a shared PID namespace reads a same-host peer over TCP at a
-twentieth of the speed (notes/nixl-on-cpu.md §2.4). Neither NIXL's API nor UCX's environment
+twentieth of the speed (docs/platform/nixl-on-cpu.md §2.4). Neither NIXL's API nor UCX's environment
 says which transport an endpoint got; UCX prints it only in the tables ``UCX_PROTO_INFO=y``
 enables, one table per (endpoint configuration, operation), when the configuration is first
 used. This module turns those tables into a transport per peer.

@@ -2,7 +2,7 @@
 
 ``vllm_engine.py`` puts this directory on ``PYTHONPATH``, so Python imports this module at
 start-up in the engine and in each worker process (they are spawned, and run none of the
-engine's own start-up code). Two settings (notes/vllm-on-cpu.md §2, §3):
+engine's own start-up code). Two settings (docs/platform/vllm-on-cpu.md §2, §3):
 
 - ``nixl`` resolves to ``nixl_cu12``: vLLM's connector imports ``nixl._api``, and the
   ``nixl`` meta package would pick ``nixl-cu13`` from the CUDA version torch's dependencies
