@@ -14,6 +14,8 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from kvbridge_agent.resources import ConditionStatus, ConditionType
+
 from . import config
 from .planner import EndpointState, PairState, Plan
 
@@ -52,7 +54,7 @@ TRANSPORT_FALLBACKS = Gauge(
 #: PAIR_TRANSPORT label sets exported per KVTransfer, to drop those of pairs that went away.
 _pair_transport_series: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
 #: The KVTransfer conditions exported by TRANSFER_CONDITION (conditions.py sets these).
-CONDITIONS = ("GeometryCompatible", "Paired", "HandshakesVerified", "Ready", "Degraded")
+CONDITIONS: tuple[str, ...] = tuple(c.value for c in ConditionType)
 TRANSFER_CONDITION = Gauge(
     "kvbridge_transfer_condition",
     "KVTransfer status conditions: 1 when the condition's status is True, else 0.",
@@ -104,7 +106,7 @@ def record_conditions(namespace: str, transfer: str,
     for c in conditions:
         if c.get("type") in CONDITIONS:
             TRANSFER_CONDITION.labels(namespace, transfer, c["type"]).set(
-                1 if c.get("status") == "True" else 0)
+                1 if c.get("status") == ConditionStatus.TRUE else 0)
 
 
 def track(sizes: Callable[[], Mapping[str, int]]) -> None:

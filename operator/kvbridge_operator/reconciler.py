@@ -26,7 +26,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge_agent.resources import ENDPOINT_KIND, TRANSFER_KIND
+from kvbridge_agent.resources import (
+    ENDPOINT_KIND,
+    TRANSFER_KIND,
+    TRANSFER_STATUS_FIELDS,
+    ConditionStatus,
+    ConditionType,
+)
 
 from . import metrics, planner, status
 from .config import Settings
@@ -257,8 +263,9 @@ async def _write_transfer(
     if await ctx.kube.patch_transfer_status(ctx.namespace, ctx.name, _with_removals(stored, new)):
         metrics.STATUS_WRITES.labels(TRANSFER_KIND).inc()
         memory.transfer = new
-        for c in status.transitions(old.get("conditions"), new.get("conditions") or []):
-            good = (c["status"] == "True") != (c["type"] == "Degraded")
+        conditions = TRANSFER_STATUS_FIELDS.conditions
+        for c in status.transitions(conditions.get(old), conditions.get(new) or []):
+            good = (c["status"] == ConditionStatus.TRUE) != (c["type"] == ConditionType.DEGRADED)
             ctx.emit(
                 "Normal" if good else "Warning",
                 c["reason"],

@@ -8,7 +8,7 @@ example created while the webhook was down); its message names the field.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -16,11 +16,17 @@ from typing import Any
 from kvbridge_agent.protocol import EngineGeometry, RegionGeometry
 from kvbridge_agent.resources import (
     ENDPOINT_FIELDS,
+    ENDPOINT_STATUS_FIELDS,
     GEOMETRY,
     GEOMETRY_FIELDS,
+    HANDSHAKE_FIELDS,
+    PEER_FIELDS,
     REGION_FIELDS,
     REGIONS,
+    SPEC,
+    STATUS,
     EndpointField,
+    HandshakeState,
 )
 from kvbridge_agent.rules import MODES
 
@@ -134,8 +140,9 @@ class Endpoint:
     @property
     def previous_peer_engines(self) -> tuple[str, ...]:
         """Engine ids of the peers the operator assigned last time (for sticky pairing)."""
-        peers = self.status.get("peers") or ()
-        return tuple(sorted({p.get("engineId", "") for p in peers if isinstance(p, Mapping)}))
+        peers = ENDPOINT_STATUS_FIELDS.peers.get(self.status) or ()
+        engine_id = PEER_FIELDS.engine_id
+        return tuple(sorted({p.get(engine_id.key, "") for p in peers if isinstance(p, Mapping)}))
 
     @cached_property
     def validation_geometry(self) -> EngineGeometry:
@@ -167,8 +174,13 @@ def _field(d: Mapping[str, Any], f: EndpointField, path: str) -> Any:
     return _get(d, f.name, path, f.kind, default)
 
 
-def _fields(d: Mapping[str, Any], table: tuple[EndpointField, ...], path: str) -> dict[str, Any]:
+def _fields(d: Mapping[str, Any], table: Sequence[EndpointField], path: str) -> dict[str, Any]:
     return {f.attr: _field(d, f, path) for f in table}
+
+
+#: What the operator reads of a ``status.handshakes`` item, in the order it checks it.
+_HANDSHAKE_READ = tuple(getattr(HANDSHAKE_FIELDS, a)
+                        for a in ("state", "peer", "epoch", "message", "transport"))
 
 
 def parse_geometry(raw: Mapping[str, Any], path: str = "spec.geometry") -> Geometry:
@@ -187,25 +199,18 @@ def parse_geometry(raw: Mapping[str, Any], path: str = "spec.geometry") -> Geome
 def parse_endpoint(body: Mapping[str, Any]) -> Endpoint:
     """Parse a KVEndpoint object (dict or kopf body). Raises :class:`SpecError`."""
     meta = body.get("metadata") or {}
-    spec = _get(body, "spec", "", Mapping)
-    status = body.get("status") or {}
-    _get(spec, "sideChannel", "spec", Mapping)   # named before the status is read
+    spec = _get(body, SPEC, "", Mapping)
+    status = body.get(STATUS) or {}
+    _get(spec, ENDPOINT_FIELDS.host.parents[0], SPEC, Mapping)   # named before the status is read
+    shakes = ENDPOINT_STATUS_FIELDS.handshakes
     handshakes = []
-    for i, h in enumerate(status.get("handshakes") or ()):
-        hp = f"status.handshakes[{i}]"
+    for i, h in enumerate(shakes.get(status) or ()):
+        hp = f"{STATUS}.{shakes.key}[{i}]"
         if not isinstance(h, Mapping):
             raise SpecError(hp, "an object", h)
-        state = _enum(h, "state", hp, ("Succeeded", "Failed"))
-        handshakes.append(
-            Handshake(
-                peer=_get(h, "peer", hp, str),
-                epoch=_get(h, "epoch", hp, int),
-                succeeded=state == "Succeeded",
-                message=_get(h, "message", hp, str, ""),
-                transport=_get(h, "transport", hp, str, ""),
-            )
-        )
-    own = {k: v for k, v in status.items() if k != "handshakes"}
+        f = _fields(h, _HANDSHAKE_READ, hp)
+        handshakes.append(Handshake(succeeded=f.pop("state") == HandshakeState.SUCCEEDED, **f))
+    own = {k: v for k, v in status.items() if k != shakes.key}
     return Endpoint(
         name=meta.get("name", ""),
         namespace=meta.get("namespace", ""),

@@ -1,4 +1,5 @@
-"""The KVEndpoint ``spec`` as one table of fields. Pure.
+"""The KVEndpoint ``spec`` as one table of fields, and the table type the status tables
+(:mod:`._status`) share. Pure.
 
 Each :class:`EndpointField` says where a value sits in the document, what the parsed record
 calls it, its type, whether it may be left out, and which wire field (a
@@ -26,6 +27,8 @@ __all__ = [
     "REGIONS",
     "REGION_FIELDS",
     "EndpointField",
+    "FieldTable",
+    "document",
     "endpoint_document",
     "endpoint_path",
     "geometry_aliases",
@@ -38,18 +41,20 @@ GEOMETRY, REGIONS = "geometry", "regions"
 
 @dataclass(frozen=True)
 class EndpointField:
-    """One KVEndpoint field.
+    """One field of a KVEndpoint or KVTransfer (``spec`` or ``status``).
 
     Attributes:
-        key: its place under its part (``spec``, ``spec.geometry`` or a region), dotted
-            when nested (``sideChannel.host``).
+        key: its place under its part (``spec``, ``spec.geometry``, a region, ``status``, a
+            ``status.peers`` item, ...), dotted when nested (``sideChannel.host``).
         attr: the attribute of the parsed record (and of the values the document takes).
         kind: its JSON type.
         required: the parser refuses a document without it; otherwise ``default`` is used.
         default: the value of a field left out.
         choices: the values allowed (an enum).
         wire: the wire field it carries, if any.
-        omit_empty: the agent leaves the field out when it has no value (None, "" or 0).
+        omit_empty: the writer leaves the field out when it has no value (None, "" or 0).
+        fields: for an object (``dict``) or a list of objects (``list``), the fields of the
+            object or of each item.
     """
 
     key: str
@@ -60,6 +65,7 @@ class EndpointField:
     choices: tuple[str, ...] = ()
     wire: str = ""
     omit_empty: bool = False
+    fields: tuple[EndpointField, ...] = ()
 
     @property
     def parents(self) -> tuple[str, ...]:
@@ -69,6 +75,44 @@ class EndpointField:
     def name(self) -> str:
         return self.key.rsplit(".", 1)[-1]
 
+    def get(self, doc: Mapping[str, Any] | None, default: Any = None) -> Any:
+        """Its value in ``doc`` (through its parents), or ``default`` where it or a parent is
+        missing or null: how readers of documents others wrote look at them."""
+        part: Any = doc
+        for key in (*self.parents, self.name):
+            part = part.get(key) if isinstance(part, Mapping) else None
+            if part is None:
+                return default
+        return part
+
+    def at(self, doc: Mapping[str, Any]) -> Any:
+        """Its value in ``doc``; ``KeyError`` where it is missing (a field the reader needs)."""
+        for key in self.parents:
+            doc = doc[key]
+        return doc[self.name]
+
+
+class FieldTable(tuple[EndpointField, ...]):
+    """A tuple of fields that also names each one by its ``attr``
+    (``HANDSHAKE_FIELDS.state.key``), so readers and writers spell no key by hand."""
+
+    def __new__(cls, fields: tuple[EndpointField, ...]) -> FieldTable:
+        table = super().__new__(cls, fields)
+        attrs = [f.attr for f in fields]
+        if len(set(attrs)) != len(attrs):
+            raise ValueError(f"field table with duplicate attributes: {attrs}")
+        return table
+
+    def __getattr__(self, attr: str) -> EndpointField:
+        for f in self:
+            if f.attr == attr:
+                return f
+        raise AttributeError(attr)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(f.key for f in self)
+
 
 def _f(key: str, attr: str, kind: type, *, default: Any = ..., **kw: Any) -> EndpointField:
     if default is ...:
@@ -77,7 +121,7 @@ def _f(key: str, attr: str, kind: type, *, default: Any = ..., **kw: Any) -> End
 
 
 #: ``spec``, in the order the parser checks it.
-ENDPOINT_FIELDS: tuple[EndpointField, ...] = (
+ENDPOINT_FIELDS = FieldTable((
     _f("role", "role", str, choices=ROLES),
     _f("transferName", "transfer", str),
     _f("engineId", "engine_id", str, wire="engine_id"),
@@ -99,10 +143,10 @@ ENDPOINT_FIELDS: tuple[EndpointField, ...] = (
     #: the engine's KV-event publisher, which cache-aware routers subscribe to
     #: (vLLM --kv-events-config, or KVBRIDGE_KV_EVENTS_PORT)
     _f("kvEventsPort", "kv_events_port", int, default=0, omit_empty=True),
-)
+))
 
 #: ``spec.geometry`` (its ``regions`` list aside).
-GEOMETRY_FIELDS: tuple[EndpointField, ...] = (
+GEOMETRY_FIELDS = FieldTable((
     _f("blockSize", "block_size", int, wire="block_size"),
     _f("physicalBlocksPerLogical", "physical_blocks_per_logical", int, default=1,
        wire="physical_blocks_per_logical_kv_block"),
@@ -114,17 +158,17 @@ GEOMETRY_FIELDS: tuple[EndpointField, ...] = (
        omit_empty=True),
     _f("dcpSize", "dcp_size", int, default=1, wire="dcp_size"),
     _f("pcpSize", "pcp_size", int, default=1, wire="pcp_size"),
-)
+))
 
 #: One item of ``spec.geometry.regions``; ``wire`` is the per-region list it is part of.
-REGION_FIELDS: tuple[EndpointField, ...] = (
+REGION_FIELDS = FieldTable((
     _f("name", "name", str, wire="region_names"),
     _f("numBlocks", "num_blocks", int, wire="region_num_blocks"),
     _f("groupId", "group_id", int, wire="region_group_ids"),
     _f("memType", "mem_type", str, choices=MEM_TYPES, wire="region_mem_types"),
     _f("blockLen", "block_len", int, wire="block_lens"),
     _f("blockStride", "block_stride", int, wire="block_strides"),
-)
+))
 
 
 # -- the document -------------------------------------------------------------------------------
@@ -144,6 +188,12 @@ def _fill(out: dict[str, Any], table: Sequence[EndpointField], values: Mapping[s
             part = part.setdefault(parent, {})
         part[f.name] = value
     return out
+
+
+def document(table: Sequence[EndpointField], values: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a document ``table`` describes, from values keyed by ``attr``: a field
+    missing from ``values`` is left out, and so is an empty one with ``omit_empty``."""
+    return _fill({}, [f for f in table if f.attr in values], values)
 
 
 def endpoint_document(spec: Mapping[str, Any], geometry: Mapping[str, Any],
