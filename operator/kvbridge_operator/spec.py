@@ -23,12 +23,15 @@ from kvbridge_agent.resources import (
     PEER_FIELDS,
     REGION_FIELDS,
     REGIONS,
+    REQUIREMENT_FIELDS,
+    ROLE_SPEC_FIELDS,
     SPEC,
     STATUS,
+    TOPOLOGY_SCOPES,
+    TRANSFER_SPEC_FIELDS,
     EndpointField,
     HandshakeState,
 )
-from kvbridge_agent.rules import MODES
 
 from .config import DECODE, PREFILL
 from .errors import SpecError
@@ -168,6 +171,11 @@ def _field(d: Mapping[str, Any], f: EndpointField, path: str) -> Any:
     for parent in f.parents:
         d = _get(d, parent, path, Mapping)
         path = f"{path}.{parent}"
+    return _leaf(d, f, path)
+
+
+def _leaf(d: Mapping[str, Any], f: EndpointField, path: str) -> Any:
+    """Read a table field of ``d`` by its own name (``d`` is its parent already)."""
     default = _MISSING if f.required else f.default
     if f.choices:
         return _enum(d, f.name, path, f.choices, default)
@@ -290,38 +298,38 @@ class Transfer:
         return self.prefill if role == PREFILL else self.decode
 
 
+_ROLE, _REQ = ROLE_SPEC_FIELDS, REQUIREMENT_FIELDS
+
+
 def parse_selector(raw: Any, path: str) -> Selector | None:
     if raw is None:
         return None
     if not isinstance(raw, Mapping):
         raise SpecError(path, "a label selector object", raw)
-    reqs = [Requirement(k, "In", (v,)) for k, v in sorted((raw.get("matchLabels") or {}).items())]
-    for i, e in enumerate(raw.get("matchExpressions") or ()):
-        ep = f"{path}.matchExpressions[{i}]"
-        op = _enum(e, "operator", ep, ("In", "NotIn", "Exists", "DoesNotExist"))
-        values = tuple(_get(e, "values", ep, list, []))
+    sel = _ROLE.selector.fields
+    labels = sel.match_labels.get(raw) or {}
+    reqs = [Requirement(k, "In", (v,)) for k, v in sorted(labels.items())]
+    for i, e in enumerate(sel.match_expressions.get(raw) or ()):
+        ep = f"{path}.{sel.match_expressions.key}[{i}]"
+        op = _leaf(e, _REQ.operator, ep)
+        values = tuple(_leaf(e, _REQ.values, ep))
         if op in ("In", "NotIn") and not values:
             raise SpecError(f"{ep}.values", f"at least one value for operator {op}", [])
         if op in ("Exists", "DoesNotExist") and values:
             raise SpecError(f"{ep}.values", f"no values for operator {op}", list(values))
-        reqs.append(Requirement(_get(e, "key", ep, str), op, values))
+        reqs.append(Requirement(_leaf(e, _REQ.key, ep), op, values))
     return Selector(tuple(reqs))
 
 
 def parse_role(raw: Mapping[str, Any], path: str) -> RoleSpec:
-    exp = raw.get("expectedGeometry")
+    exp = _ROLE.expected.get(raw)
     expected = None
     if exp is not None:
-        ep = f"{path}.expectedGeometry"
-        expected = ExpectedGeometry(
-            block_size=_get(exp, "blockSize", ep, int, None),
-            kv_cache_layout=_get(exp, "kvCacheLayout", ep, str, None),
-            attention_backend=_get(exp, "attentionBackend", ep, str, None),
-            num_regions=_get(exp, "numRegions", ep, int, None),
-        )
+        ep = f"{path}.{_ROLE.expected.key}"
+        expected = ExpectedGeometry(**_fields(exp, _ROLE.expected.fields, ep))
     return RoleSpec(
-        tp_size=_get(raw, "tensorParallelSize", path, int),
-        selector=parse_selector(raw.get("selector"), f"{path}.selector"),
+        tp_size=_leaf(raw, _ROLE.tp_size, path),
+        selector=parse_selector(_ROLE.selector.get(raw), f"{path}.{_ROLE.selector.key}"),
         expected=expected,
     )
 
@@ -329,29 +337,32 @@ def parse_role(raw: Mapping[str, Any], path: str) -> RoleSpec:
 def parse_transfer(body: Mapping[str, Any]) -> Transfer:
     """Parse a KVTransfer object (dict or kopf body). Raises :class:`SpecError`."""
     meta = body.get("metadata") or {}
-    spec = _get(body, "spec", "", Mapping)
-    pairing = spec.get("pairing") or {}
-    compat = spec.get("compatibility") or {}
-    transport = _get(spec, "transport", "spec", Mapping, {})
-    accepted = _get(transport, "accepted", "spec.transport", list, [])
+    spec = _get(body, SPEC, "", Mapping)
+    t = TRANSFER_SPEC_FIELDS
+    pairing_key, compat_key, transport_key = (
+        t.policy.parents[0], t.enforce_hash.parents[0], t.accepted_transports.parents[0])
+    pairing = spec.get(pairing_key) or {}
+    compat = spec.get(compat_key) or {}
+    transport = _get(spec, transport_key, SPEC, Mapping, {})
+    accepted = _leaf(transport, t.accepted_transports, f"{SPEC}.{transport_key}")
     for i, name in enumerate(accepted):
         if not isinstance(name, str) or not _TRANSPORT_NAME.match(name):
-            raise SpecError(f"spec.transport.accepted[{i}]",
+            raise SpecError(f"{SPEC}.{t.accepted_transports.key}[{i}]",
                             "a UCX transport name such as cma, tcp, rc or cuda_ipc", name)
+    pp, cp = f"{SPEC}.{pairing_key}", f"{SPEC}.{compat_key}"
     return Transfer(
         name=meta.get("name", ""),
         namespace=meta.get("namespace", ""),
         generation=int(meta.get("generation") or 0),
-        protocol_version=_get(spec, "protocolVersion", "spec", int),
-        mode=_enum(spec, "mode", "spec", MODES, "pull"),
-        side_channel_port=_get(spec, "sideChannelPort", "spec", int, 5600),
-        prefill=parse_role(_get(spec, PREFILL, "spec", Mapping), f"spec.{PREFILL}"),
-        decode=parse_role(_get(spec, DECODE, "spec", Mapping), f"spec.{DECODE}"),
-        policy=_enum(pairing, "policy", "spec.pairing", ("Balanced", "TopologyAware"), "Balanced"),
-        topology_key=_get(pairing, "topologyKey", "spec.pairing", str, ""),
-        topology_required=_enum(pairing, "topologyScope", "spec.pairing",
-                                ("Preferred", "Required"), "Preferred") == "Required",
-        prefill_per_decode=_get(pairing, "prefillPerDecode", "spec.pairing", int, 1),
-        enforce_hash=_get(compat, "enforceHash", "spec.compatibility", bool, True),
+        protocol_version=_leaf(spec, t.protocol_version, SPEC),
+        mode=_leaf(spec, t.mode, SPEC),
+        side_channel_port=_leaf(spec, t.side_channel_port, SPEC),
+        prefill=parse_role(_get(spec, PREFILL, SPEC, Mapping), f"{SPEC}.{PREFILL}"),
+        decode=parse_role(_get(spec, DECODE, SPEC, Mapping), f"{SPEC}.{DECODE}"),
+        policy=_leaf(pairing, t.policy, pp),
+        topology_key=_leaf(pairing, t.topology_key, pp),
+        topology_required=_leaf(pairing, t.topology_scope, pp) == TOPOLOGY_SCOPES[1],
+        prefill_per_decode=_leaf(pairing, t.prefill_per_decode, pp),
+        enforce_hash=_leaf(compat, t.enforce_hash, cp),
         accepted_transports=tuple(accepted),
     )

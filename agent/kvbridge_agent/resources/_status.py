@@ -1,4 +1,5 @@
-"""The KVEndpoint and KVTransfer ``status`` as field tables, and the state values. Pure.
+"""The KVEndpoint and KVTransfer ``status`` as field tables, the state values, and the
+KVTransfer ``spec`` as a table too. Pure.
 
 Three writers and three readers share these documents: the operator writes the verdict
 (``state``, ``peers``, ...) and the KVTransfer status, the agent writes
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from ..rules import MODES
 from ._fields import FieldTable, _f
 from ._names import DECODE, PREFILL, ROLES
 
@@ -20,13 +22,19 @@ __all__ = [
     "ENDPOINT_STATUS_FIELDS",
     "HANDSHAKE_FIELDS",
     "OPERATOR_STATUS_KEYS",
+    "PAIRING_POLICIES",
     "PAIRS_FIELDS",
     "PAIR_FIELDS",
     "PEER_FIELDS",
     "PROBLEM_FIELDS",
+    "REQUIREMENT_FIELDS",
     "ROLE_COUNT_FIELDS",
+    "ROLE_SPEC_FIELDS",
+    "SELECTOR_OPERATORS",
     "SPEC",
     "STATUS",
+    "TOPOLOGY_SCOPES",
+    "TRANSFER_SPEC_FIELDS",
     "TRANSFER_STATUS_FIELDS",
     "ConditionStatus",
     "ConditionType",
@@ -185,4 +193,54 @@ TRANSFER_STATUS_FIELDS = FieldTable((
     _f("pairs", "pairs", dict, default=None, fields=PAIRS_FIELDS),
     _f("incompatible", "incompatible", list, default=(), fields=PROBLEM_FIELDS),
     _f("conditions", "conditions", list, default=(), fields=CONDITION_FIELDS),
+))
+
+
+# -- KVTransfer spec ----------------------------------------------------------------------------
+
+#: ``spec.prefill.selector.matchExpressions`` operators.
+SELECTOR_OPERATORS: tuple[str, ...] = ("In", "NotIn", "Exists", "DoesNotExist")
+
+#: One ``spec.<role>.selector.matchExpressions`` item.
+REQUIREMENT_FIELDS = FieldTable((
+    _f("key", "key", str),
+    _f("operator", "operator", str, choices=SELECTOR_OPERATORS),
+    _f("values", "values", list, default=[]),
+))
+
+#: ``spec.prefill`` / ``spec.decode``: one role of the topology.
+ROLE_SPEC_FIELDS = FieldTable((
+    _f("tensorParallelSize", "tp_size", int),
+    _f("selector", "selector", dict, default=None, fields=FieldTable((
+        _f("matchLabels", "match_labels", dict, default=None),
+        _f("matchExpressions", "match_expressions", list, default=(),
+           fields=REQUIREMENT_FIELDS),
+    ))),
+    _f("expectedGeometry", "expected", dict, default=None, fields=FieldTable((
+        _f("blockSize", "block_size", int, default=None),
+        _f("kvCacheLayout", "kv_cache_layout", str, default=None),
+        _f("attentionBackend", "attention_backend", str, default=None),
+        _f("numRegions", "num_regions", int, default=None),
+    ))),
+))
+
+#: ``spec.pairing.policy`` and ``spec.pairing.topologyScope`` values.
+PAIRING_POLICIES: tuple[str, ...] = ("Balanced", "TopologyAware")
+TOPOLOGY_SCOPES: tuple[str, ...] = ("Preferred", "Required")
+
+#: KVTransfer ``spec``, in the order the operator's parser reads it; ``default`` is the
+#: CRD's default where it states one.
+TRANSFER_SPEC_FIELDS = FieldTable((
+    _f("protocolVersion", "protocol_version", int),
+    _f("mode", "mode", str, default=MODES[0], choices=MODES),
+    _f("sideChannelPort", "side_channel_port", int, default=5600),
+    _f(PREFILL, PREFILL, dict, fields=ROLE_SPEC_FIELDS),
+    _f(DECODE, DECODE, dict, fields=ROLE_SPEC_FIELDS),
+    _f("pairing.policy", "policy", str, default=PAIRING_POLICIES[0], choices=PAIRING_POLICIES),
+    _f("pairing.topologyKey", "topology_key", str, default=""),
+    _f("pairing.topologyScope", "topology_scope", str, default=TOPOLOGY_SCOPES[0],
+       choices=TOPOLOGY_SCOPES),
+    _f("pairing.prefillPerDecode", "prefill_per_decode", int, default=1),
+    _f("compatibility.enforceHash", "enforce_hash", bool, default=True),
+    _f("transport.accepted", "accepted_transports", list, default=[]),
 ))
