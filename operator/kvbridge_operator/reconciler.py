@@ -36,7 +36,7 @@ from kvbridge_agent.resources import (
 
 from . import metrics, planner, status
 from .config import Settings
-from .errors import SpecError
+from .errors import OperatorError, SpecError
 from .kube import Kube, KubeUnavailable
 from .spec import Endpoint, parse_transfer
 
@@ -286,7 +286,7 @@ def _with_removals(stored: Mapping[str, Any], new: dict[str, Any]) -> dict[str, 
 RELEASE_RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0)
 
 
-class ReleaseDeferred(Exception):
+class ReleaseDeferred(OperatorError):
     """The API server could not be reached to tell every endpoint of a deleted KVTransfer;
     the release should run again later. Keeping the finalizer meanwhile costs nothing: its
     removal needs the same API server."""
