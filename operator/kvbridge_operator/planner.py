@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
 from kvbridge_agent.geometry import handshake_target_ranks
-from kvbridge_agent.resources import ConditionStatus, ConditionType
+from kvbridge_agent.resources import TOPOLOGY_AWARE, ConditionStatus, ConditionType
 from kvbridge_agent.rules import transport_accepted
 
 from .compatibility import Candidates, classify
@@ -179,7 +179,7 @@ def _unpaired(
     """Why decode rank ``e`` got no prefill engine: none is compatible, or (with
     ``topologyScope: Required``, the one way compatible engines go unassigned) none is in
     its zone."""
-    required = transfer.policy == "TopologyAware" and transfer.topology_required
+    required = transfer.policy == TOPOLOGY_AWARE and transfer.topology_required
     if not candidates.ids or not required:
         return "NoPrefillEngines", "no compatible prefill engine is available"
     key = transfer.topology_key

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge_agent.resources import (
+    CONDITION_FIELDS,
     ENDPOINT_KIND,
+    STATUS,
     TRANSFER_KIND,
     TRANSFER_STATUS_FIELDS,
     ConditionStatus,
@@ -216,7 +218,7 @@ async def reconcile(
     namespace, name, kube, memory = ctx.namespace, ctx.name, ctx.kube, ctx.memory
     started = time.perf_counter()
     generation = int((body.get("metadata") or {}).get("generation") or 0)
-    stored = dict(body.get("status") or {})
+    stored = dict(body.get(STATUS) or {})
     old = memory.transfer if memory.transfer is not None else stored
     now = status.now_rfc3339()
     try:
@@ -224,7 +226,7 @@ async def reconcile(
     except SpecError as exc:
         new = status.invalid_transfer_status(old, generation=generation, now=now, message=str(exc))
         await _write_transfer(ctx, stored, old, new)
-        metrics.record_conditions(namespace, name, new["conditions"])
+        metrics.record_conditions(namespace, name, TRANSFER_STATUS_FIELDS.conditions.at(new))
         metrics.RECONCILES.labels("invalid").inc()
         return None
     plan = planner.plan(transfer, endpoints, nodes, lost_nodes)
@@ -248,7 +250,7 @@ async def reconcile(
         del memory.endpoints[gone]
     await _write_transfer(ctx, stored, old, new)
     metrics.record(namespace, name, plan)
-    metrics.record_conditions(namespace, name, new["conditions"])
+    metrics.record_conditions(namespace, name, TRANSFER_STATUS_FIELDS.conditions.at(new))
     metrics.RECONCILES.labels("ok").inc()
     metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
     return plan
@@ -264,12 +266,14 @@ async def _write_transfer(
         metrics.STATUS_WRITES.labels(TRANSFER_KIND).inc()
         memory.transfer = new
         conditions = TRANSFER_STATUS_FIELDS.conditions
+        f = CONDITION_FIELDS
         for c in status.transitions(conditions.get(old), conditions.get(new) or []):
-            good = (c["status"] == ConditionStatus.TRUE) != (c["type"] == ConditionType.DEGRADED)
+            kind, state = f.type.at(c), f.status.at(c)
+            good = (state == ConditionStatus.TRUE) != (kind == ConditionType.DEGRADED)
             ctx.emit(
                 "Normal" if good else "Warning",
-                c["reason"],
-                f"{c['type']}={c['status']}: {c['message']}",
+                f.reason.at(c),
+                f"{kind}={state}: {f.message.at(c)}",
             )
 
 

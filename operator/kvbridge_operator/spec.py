@@ -15,19 +15,24 @@ from typing import Any
 
 from kvbridge_agent.protocol import EngineGeometry, RegionGeometry
 from kvbridge_agent.resources import (
+    BALANCED,
+    DOES_NOT_EXIST,
     ENDPOINT_FIELDS,
     ENDPOINT_STATUS_FIELDS,
+    EXISTS,
     GEOMETRY,
     GEOMETRY_FIELDS,
     HANDSHAKE_FIELDS,
+    IN,
+    NOT_IN,
     PEER_FIELDS,
     REGION_FIELDS,
     REGIONS,
+    REQUIRED,
     REQUIREMENT_FIELDS,
     ROLE_SPEC_FIELDS,
     SPEC,
     STATUS,
-    TOPOLOGY_SCOPES,
     TRANSFER_SPEC_FIELDS,
     EndpointField,
     HandshakeState,
@@ -245,11 +250,11 @@ class Requirement:
 
     def matches(self, labels: Mapping[str, str]) -> bool:
         present = self.key in labels
-        if self.operator == "Exists":
+        if self.operator == EXISTS:
             return present
-        if self.operator == "DoesNotExist":
+        if self.operator == DOES_NOT_EXIST:
             return not present
-        if self.operator == "In":
+        if self.operator == IN:
             return present and labels[self.key] in self.values
         return not present or labels[self.key] not in self.values  # NotIn
 
@@ -287,7 +292,7 @@ class Transfer:
     side_channel_port: int
     prefill: RoleSpec
     decode: RoleSpec
-    policy: str = "Balanced"
+    policy: str = BALANCED
     topology_key: str = ""
     topology_required: bool = False  # pairing.topologyScope Required: never across zones
     prefill_per_decode: int = 1
@@ -308,14 +313,14 @@ def parse_selector(raw: Any, path: str) -> Selector | None:
         raise SpecError(path, "a label selector object", raw)
     sel = _ROLE.selector.fields
     labels = sel.match_labels.get(raw) or {}
-    reqs = [Requirement(k, "In", (v,)) for k, v in sorted(labels.items())]
+    reqs = [Requirement(k, IN, (v,)) for k, v in sorted(labels.items())]
     for i, e in enumerate(sel.match_expressions.get(raw) or ()):
         ep = f"{path}.{sel.match_expressions.key}[{i}]"
         op = _leaf(e, _REQ.operator, ep)
         values = tuple(_leaf(e, _REQ.values, ep))
-        if op in ("In", "NotIn") and not values:
+        if op in (IN, NOT_IN) and not values:
             raise SpecError(f"{ep}.values", f"at least one value for operator {op}", [])
-        if op in ("Exists", "DoesNotExist") and values:
+        if op in (EXISTS, DOES_NOT_EXIST) and values:
             raise SpecError(f"{ep}.values", f"no values for operator {op}", list(values))
         reqs.append(Requirement(_leaf(e, _REQ.key, ep), op, values))
     return Selector(tuple(reqs))
@@ -361,7 +366,7 @@ def parse_transfer(body: Mapping[str, Any]) -> Transfer:
         decode=parse_role(_get(spec, DECODE, SPEC, Mapping), f"{SPEC}.{DECODE}"),
         policy=_leaf(pairing, t.policy, pp),
         topology_key=_leaf(pairing, t.topology_key, pp),
-        topology_required=_leaf(pairing, t.topology_scope, pp) == TOPOLOGY_SCOPES[1],
+        topology_required=_leaf(pairing, t.topology_scope, pp) == REQUIRED,
         prefill_per_decode=_leaf(pairing, t.prefill_per_decode, pp),
         enforce_hash=_leaf(compat, t.enforce_hash, cp),
         accepted_transports=tuple(accepted),

@@ -18,21 +18,29 @@ from ._fields import FieldTable, _f
 from ._names import DECODE, PREFILL, ROLES
 
 __all__ = [
+    "BALANCED",
     "CONDITION_FIELDS",
+    "DOES_NOT_EXIST",
     "ENDPOINT_STATUS_FIELDS",
+    "EXISTS",
     "HANDSHAKE_FIELDS",
+    "IN",
+    "NOT_IN",
     "OPERATOR_STATUS_KEYS",
     "PAIRING_POLICIES",
     "PAIRS_FIELDS",
     "PAIR_FIELDS",
     "PEER_FIELDS",
+    "PREFERRED",
     "PROBLEM_FIELDS",
+    "REQUIRED",
     "REQUIREMENT_FIELDS",
     "ROLE_COUNT_FIELDS",
     "ROLE_SPEC_FIELDS",
     "SELECTOR_OPERATORS",
     "SPEC",
     "STATUS",
+    "TOPOLOGY_AWARE",
     "TOPOLOGY_SCOPES",
     "TRANSFER_SPEC_FIELDS",
     "TRANSFER_STATUS_FIELDS",
@@ -198,8 +206,9 @@ TRANSFER_STATUS_FIELDS = FieldTable((
 
 # -- KVTransfer spec ----------------------------------------------------------------------------
 
-#: ``spec.prefill.selector.matchExpressions`` operators.
-SELECTOR_OPERATORS: tuple[str, ...] = ("In", "NotIn", "Exists", "DoesNotExist")
+#: ``spec.prefill.selector.matchExpressions`` operators: with values, then without.
+IN, NOT_IN, EXISTS, DOES_NOT_EXIST = "In", "NotIn", "Exists", "DoesNotExist"
+SELECTOR_OPERATORS: tuple[str, ...] = (IN, NOT_IN, EXISTS, DOES_NOT_EXIST)
 
 #: One ``spec.<role>.selector.matchExpressions`` item.
 REQUIREMENT_FIELDS = FieldTable((
@@ -224,9 +233,11 @@ ROLE_SPEC_FIELDS = FieldTable((
     ))),
 ))
 
-#: ``spec.pairing.policy`` and ``spec.pairing.topologyScope`` values.
-PAIRING_POLICIES: tuple[str, ...] = ("Balanced", "TopologyAware")
-TOPOLOGY_SCOPES: tuple[str, ...] = ("Preferred", "Required")
+#: ``spec.pairing.policy`` and ``spec.pairing.topologyScope`` values (the first: the default).
+BALANCED, TOPOLOGY_AWARE = "Balanced", "TopologyAware"
+PAIRING_POLICIES: tuple[str, ...] = (BALANCED, TOPOLOGY_AWARE)
+PREFERRED, REQUIRED = "Preferred", "Required"
+TOPOLOGY_SCOPES: tuple[str, ...] = (PREFERRED, REQUIRED)
 
 #: KVTransfer ``spec``, in the order the operator's parser reads it; ``default`` is the
 #: CRD's default where it states one.
