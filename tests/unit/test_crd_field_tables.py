@@ -166,3 +166,13 @@ def test_a_crd_default_that_differs_is_caught() -> None:
     assert mismatches(crd, table) == [
         "sideChannelPort: CRD ('integer', False, (), 5700) != table ('integer', False, (), 5600)"
     ]
+
+
+def test_the_records_written_through_a_table_have_its_fields() -> None:
+    """The operator writes these records through ``document``, which keeps only the table's
+    fields: a record field the table lacks would silently never reach the status."""
+    from kvbridge_agent.resources import PEER_FIELDS, ROLE_COUNT_FIELDS
+    from kvbridge_operator.model import Peer, RoleCounts
+
+    for record, table in ((Peer, PEER_FIELDS), (RoleCounts, ROLE_COUNT_FIELDS)):
+        assert [f.name for f in dataclasses.fields(record)] == [f.attr for f in table]

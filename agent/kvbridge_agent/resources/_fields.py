@@ -24,6 +24,7 @@ __all__ = [
     "ENDPOINT_FIELDS",
     "GEOMETRY",
     "GEOMETRY_FIELDS",
+    "NO_FIELDS",
     "REGIONS",
     "REGION_FIELDS",
     "EndpointField",
@@ -37,6 +38,28 @@ __all__ = [
 
 #: Keys of the nested parts of ``spec``.
 GEOMETRY, REGIONS = "geometry", "regions"
+
+
+class FieldTable(tuple["EndpointField", ...]):
+    """A tuple of fields that also names each one by its ``attr``
+    (``HANDSHAKE_FIELDS.state.key``), so readers and writers spell no key by hand."""
+
+    def __new__(cls, fields: tuple[EndpointField, ...]) -> FieldTable:
+        table = super().__new__(cls, fields)
+        attrs = [f.attr for f in fields]
+        if len(set(attrs)) != len(attrs):
+            raise ValueError(f"field table with duplicate attributes: {attrs}")
+        return table
+
+    def __getattr__(self, attr: str) -> EndpointField:
+        for f in self:
+            if f.attr == attr:
+                return f
+        raise AttributeError(attr)
+
+
+#: The ``fields`` of a field that nests none.
+NO_FIELDS = FieldTable(())
 
 
 @dataclass(frozen=True)
@@ -65,7 +88,7 @@ class EndpointField:
     choices: tuple[str, ...] = ()
     wire: str = ""
     omit_empty: bool = False
-    fields: tuple[EndpointField, ...] = ()
+    fields: FieldTable = NO_FIELDS
 
     @property
     def parents(self) -> tuple[str, ...]:
@@ -90,28 +113,6 @@ class EndpointField:
         for key in self.parents:
             doc = doc[key]
         return doc[self.name]
-
-
-class FieldTable(tuple[EndpointField, ...]):
-    """A tuple of fields that also names each one by its ``attr``
-    (``HANDSHAKE_FIELDS.state.key``), so readers and writers spell no key by hand."""
-
-    def __new__(cls, fields: tuple[EndpointField, ...]) -> FieldTable:
-        table = super().__new__(cls, fields)
-        attrs = [f.attr for f in fields]
-        if len(set(attrs)) != len(attrs):
-            raise ValueError(f"field table with duplicate attributes: {attrs}")
-        return table
-
-    def __getattr__(self, attr: str) -> EndpointField:
-        for f in self:
-            if f.attr == attr:
-                return f
-        raise AttributeError(attr)
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return tuple(f.key for f in self)
 
 
 def _f(key: str, attr: str, kind: type, *, default: Any = ..., **kw: Any) -> EndpointField:
