@@ -23,6 +23,7 @@ from kvbridge_agent.resources import (
     ROLE_COUNT_FIELDS,
     TRANSFER_STATUS_FIELDS,
     ConditionStatus,
+    ConditionType,
     document,
 )
 
@@ -62,7 +63,7 @@ def merge_conditions(
     for d in desired:
         prev = previous.get(d.type)
         same = prev is not None and _C.status.get(prev) == d.status
-        since = prev.get(_C.last_transition_time.key, now) if prev is not None and same else now
+        since = prev.get(_C.last_transition_time.key, now) if same else now  # type: ignore[union-attr]
         result.append(document(_C, {
             "type": str(d.type),
             "status": str(d.status),
@@ -133,8 +134,8 @@ def invalid_transfer_status(
     """Status for a KVTransfer whose spec cannot be parsed (admission was bypassed)."""
     old = old or {}
     desired = [
-        DesiredCondition("Ready", ConditionStatus.FALSE, "InvalidSpec", message),
-        DesiredCondition("Degraded", ConditionStatus.TRUE, "InvalidSpec", message),
+        DesiredCondition(ConditionType.READY, ConditionStatus.FALSE, "InvalidSpec", message),
+        DesiredCondition(ConditionType.DEGRADED, ConditionStatus.TRUE, "InvalidSpec", message),
     ]
     return document(TRANSFER_STATUS_FIELDS, {
         "observed_generation": generation,

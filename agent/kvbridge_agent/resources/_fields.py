@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from ..rules import MEM_TYPES, MODES
@@ -47,15 +48,14 @@ class FieldTable(tuple["EndpointField", ...]):
     def __new__(cls, fields: tuple[EndpointField, ...]) -> FieldTable:
         table = super().__new__(cls, fields)
         attrs = [f.attr for f in fields]
-        if len(set(attrs)) != len(attrs):
-            raise ValueError(f"field table with duplicate attributes: {attrs}")
+        if len(set(attrs)) != len(attrs) or any(hasattr(tuple, a) for a in attrs):
+            raise ValueError(f"field table with duplicate or reserved attributes: {attrs}")
+        table.__dict__.update((f.attr, f) for f in fields)  # plain attribute look-ups
         return table
 
     def __getattr__(self, attr: str) -> EndpointField:
-        for f in self:
-            if f.attr == attr:
-                return f
-        raise AttributeError(attr)
+        """Only reached for an attribute no field has (the fields are instance attributes)."""
+        raise AttributeError(f"no field with attribute {attr!r}")
 
 
 #: The ``fields`` of a field that nests none.
@@ -90,11 +90,12 @@ class EndpointField:
     omit_empty: bool = False
     fields: FieldTable = NO_FIELDS
 
-    @property
+    # Cached: writers and readers ask for them per item of every status they touch.
+    @cached_property
     def parents(self) -> tuple[str, ...]:
         return tuple(self.key.split(".")[:-1])
 
-    @property
+    @cached_property
     def name(self) -> str:
         return self.key.rsplit(".", 1)[-1]
 
@@ -194,7 +195,18 @@ def _fill(out: dict[str, Any], table: Sequence[EndpointField], values: Mapping[s
 def document(table: Sequence[EndpointField], values: Mapping[str, Any]) -> dict[str, Any]:
     """The part of a document ``table`` describes, from values keyed by ``attr``: a field
     missing from ``values`` is left out, and so is an empty one with ``omit_empty``."""
-    return _fill({}, [f for f in table if f.attr in values], values)
+    out: dict[str, Any] = {}
+    for f in table:
+        if f.attr not in values:
+            continue
+        value = values[f.attr]
+        if f.omit_empty and _empty(value):
+            continue
+        part = out
+        for parent in f.parents:
+            part = part.setdefault(parent, {})
+        part[f.name] = value
+    return out
 
 
 def endpoint_document(spec: Mapping[str, Any], geometry: Mapping[str, Any],
