@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from . import __version__, rules
+from .errors import KVBridgeError
 from .protocol import (
     NIXL_CONNECTOR_VERSION,
     EngineGeometry,
@@ -52,7 +53,9 @@ object plus "tp_size" and "is_mla" is a valid file. Unknown keys are an error.
 """
 
 
-class _Failure(Exception):
+class CliFailure(KVBridgeError):
+    """A command cannot go on: the exit code and the reason printed."""
+
     def __init__(self, code: int, reason: str) -> None:
         super().__init__(reason)
         self.code = code
@@ -166,11 +169,11 @@ def _probe(args: argparse.Namespace) -> int:
             expected_engine_id=args.engine_id,
         )
     except RemoteRejectedError as exc:
-        raise _Failure(EXIT_REJECTED, str(exc)) from exc
+        raise CliFailure(EXIT_REJECTED, str(exc)) from exc
     except SideChannelError as exc:
-        raise _Failure(EXIT_UNREACHABLE, str(exc)) from exc
+        raise CliFailure(EXIT_UNREACHABLE, str(exc)) from exc
     except ProtocolError as exc:
-        raise _Failure(EXIT_PROTOCOL, str(exc)) from exc
+        raise CliFailure(EXIT_PROTOCOL, str(exc)) from exc
     broken = {(r.pp_rank, r.tp_rank): check_metadata(r.metadata) for r in result.replies}
     verdicts = _check(result, local, args) if local is not None else None
     if args.json:
@@ -188,8 +191,8 @@ def _fail_on_first(verdicts: dict, code: int, what: str, endpoint: str) -> None:
     if bad:
         (pp, tp), verdict = bad[0]
         more = f" (and {len(bad) - 1} more rank(s))" if len(bad) > 1 else ""
-        raise _Failure(code, f"{what}: rank (pp {pp}, tp {tp}) of {endpoint}: "
-                             f"{verdict.summary(limit=3)}{more}")
+        raise CliFailure(code, f"{what}: rank (pp {pp}, tp {tp}) of {endpoint}: "
+                               f"{verdict.summary(limit=3)}{more}")
 
 
 def _load_geometry(path: Path) -> EngineGeometry:
@@ -199,7 +202,7 @@ def _load_geometry(path: Path) -> EngineGeometry:
             raise ValueError("expected a JSON object")
         return EngineGeometry.from_dict(data)
     except (OSError, ValueError, TypeError) as exc:
-        raise _Failure(EXIT_USAGE, f"--geometry {path}: {exc}") from exc
+        raise CliFailure(EXIT_USAGE, f"--geometry {path}: {exc}") from exc
 
 
 def _check(result: HandshakeResult, local: EngineGeometry, args: argparse.Namespace) -> dict:
@@ -303,7 +306,7 @@ def _write_test_model(args: argparse.Namespace) -> int:
     try:
         out = write_test_model(args.directory, seed=args.seed)
     except OSError as exc:
-        raise _Failure(EXIT_USAGE, f"cannot write {args.directory}: {exc}") from exc
+        raise CliFailure(EXIT_USAGE, f"cannot write {args.directory}: {exc}") from exc
     print(out)
     return EXIT_OK
 
@@ -349,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except _Failure as exc:
+    except CliFailure as exc:
         print(f"kvbridge {args.command}: {exc}", file=sys.stderr)
         return exc.code
     except KeyboardInterrupt:

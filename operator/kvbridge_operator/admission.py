@@ -24,6 +24,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvbridge_agent import rules
+from kvbridge_agent.resources import (
+    ENDPOINT_FIELDS,
+    ROLE_SPEC_FIELDS,
+    ROLES,
+    SPEC,
+    TOPOLOGY_AWARE,
+)
 
 from . import syntax
 from .config import MAX_PEERS, PREFILL
@@ -31,7 +38,9 @@ from .errors import SpecError
 from .model import endpoint_field
 from .spec import Endpoint, parse_endpoint, parse_transfer
 
-IMMUTABLE_ENDPOINT_FIELDS = ("transferName", "role", "engineId", "podName")
+_IMMUTABLE = (ENDPOINT_FIELDS.transfer, ENDPOINT_FIELDS.role, ENDPOINT_FIELDS.engine_id,
+              ENDPOINT_FIELDS.pod_name)
+IMMUTABLE_ENDPOINT_FIELDS = tuple(f.key for f in _IMMUTABLE)
 
 
 def _messages(*findings: rules.Finding | None) -> list[str]:
@@ -82,20 +91,15 @@ def _memory(e: Endpoint) -> list[str]:
 
 def _update(e: Endpoint, old: Mapping[str, Any]) -> list[str]:
     errors = []
-    old_spec = old.get("spec") or {}
-    new_spec = {
-        "transferName": e.transfer,
-        "role": e.role,
-        "engineId": e.engine_id,
-        "podName": e.pod_name,
-    }
+    old_spec = old.get(SPEC) or {}
+    new_spec = {f.key: getattr(e, f.attr) for f in _IMMUTABLE}
     for key in IMMUTABLE_ENDPOINT_FIELDS:
         if key in old_spec and old_spec[key] != new_spec[key]:
             errors.append(
                 f"spec.{key}: field is immutable (was {old_spec[key]!r}, got {new_spec[key]!r}); "
                 "delete the KVEndpoint and create a new one"
             )
-    old_epoch = old_spec.get("epoch")
+    old_epoch = ENDPOINT_FIELDS.epoch.get(old_spec)
     if isinstance(old_epoch, int) and e.epoch < old_epoch:
         errors.append(
             f"spec.epoch: expected a value >= the current epoch {old_epoch}, got {e.epoch}; "
@@ -113,7 +117,7 @@ def check_transfer(body: Mapping[str, Any], old: Mapping[str, Any] | None = None
     Every spec field may change otherwise; the operator re-plans.
     """
     if old and ((body.get("metadata") or {}).get("deletionTimestamp")
-                or body.get("spec") == old.get("spec")):
+                or body.get(SPEC) == old.get(SPEC)):
         return []
     try:
         t = parse_transfer(body)
@@ -126,21 +130,21 @@ def check_transfer(body: Mapping[str, Any], old: Mapping[str, Any] | None = None
     errors += _messages(divide)
     if divide is None:
         errors += _decode_peers(t.prefill.tp_size, t.decode.tp_size, t.prefill_per_decode)
-    if t.policy == "TopologyAware" and not t.topology_key:
+    if t.policy == TOPOLOGY_AWARE and not t.topology_key:
         errors.append(
             "spec.pairing.topologyKey: required by policy TopologyAware (a node label key, "
             "e.g. topology.kubernetes.io/zone), got nothing"
         )
-    elif t.topology_key and t.policy != "TopologyAware":
+    elif t.topology_key and t.policy != TOPOLOGY_AWARE:
         errors.append(
             f"spec.pairing.topologyKey: only used by policy TopologyAware, got it with "
             f"policy {t.policy}; remove it or set spec.pairing.policy: TopologyAware"
         )
     if t.topology_key and (want := syntax.label_key(t.topology_key)) is not None:
         errors.append(f"spec.pairing.topologyKey: expected {want}, got {t.topology_key!r}")
-    spec = body.get("spec") or {}
-    for role in ("prefill", "decode"):
-        raw = (spec.get(role) or {}).get("selector")
+    spec = body.get(SPEC) or {}
+    for role in ROLES:
+        raw = ROLE_SPEC_FIELDS.selector.get(spec.get(role))
         if isinstance(raw, Mapping):
             errors += _selector(raw, f"spec.{role}.selector")
     pe, de = t.prefill.expected, t.decode.expected

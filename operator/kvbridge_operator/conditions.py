@@ -9,6 +9,9 @@ few names, sorted, so they only change when the facts do.
 
 from __future__ import annotations
 
+from kvbridge_agent.resources import ConditionStatus as CS
+from kvbridge_agent.resources import ConditionType as CT
+
 from .config import DECODE
 from .eligibility import NODE_NOT_READY
 from .model import (
@@ -42,8 +45,8 @@ def desired_conditions(
     C = DesiredCondition
     if not eps:
         geo = C(
-            "GeometryCompatible",
-            "Unknown",
+            CT.GEOMETRY_COMPATIBLE,
+            CS.UNKNOWN,
             "NoEndpoints",
             f"no KVEndpoint has spec.transferName {transfer.name}",
         )
@@ -51,45 +54,45 @@ def desired_conditions(
         shown = "; ".join(f"{p.role} {p.endpoint}: {p.field}: {p.message}" for p in problems[:3])
         more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
         geo = C(
-            "GeometryCompatible",
-            "False",
+            CT.GEOMETRY_COMPATIBLE,
+            CS.FALSE,
             "IncompatibleEndpoints",
             f"{len(problems)} endpoint(s) not paired: {shown}{more}",
         )
     elif not prefill.engines or not decode.engines:
         geo = C(
-            "GeometryCompatible",
-            "Unknown",
+            CT.GEOMETRY_COMPATIBLE,
+            CS.UNKNOWN,
             "WaitingForEngines",
             "need one complete prefill and one complete decode engine to compare",
         )
     else:
         geo = C(
-            "GeometryCompatible",
-            "True",
+            CT.GEOMETRY_COMPATIBLE,
+            CS.TRUE,
             "AllCompatible",
             f"{decode.engines} decode and {prefill.engines} prefill engines pass the "
             "handshake rules",
         )
     if not decode.engines:
         paired = C(
-            "Paired",
-            "False",
+            CT.PAIRED,
+            CS.FALSE,
             "NoDecodeEngines",
             "no complete, compatible decode engine (see KVEndpoint status)",
         )
     elif not pairs:
         paired = C(
-            "Paired",
-            "False",
+            CT.PAIRED,
+            CS.FALSE,
             "NoPrefillEngines",
             "no complete, compatible prefill engine (see KVEndpoint status)",
         )
     else:
         used = len({p.prefill_engine for p in pairs})
         paired = C(
-            "Paired",
-            "True",
+            CT.PAIRED,
+            CS.TRUE,
             "AllDecodeEnginesPaired",
             f"{decode.engines} decode engine(s) paired with {used} prefill engine(s), "
             f"policy {transfer.policy}",
@@ -98,35 +101,35 @@ def desired_conditions(
     failed = [p for p in d_paired if p.handshake is PairState.FAILED]
     pending = [p.name for p in d_paired if p.handshake is PairState.PENDING]
     if not pairs:
-        hs = C("HandshakesVerified", "Unknown", "NoPairs", "no pairs are assigned yet")
+        hs = C(CT.HANDSHAKES_VERIFIED, CS.UNKNOWN, "NoPairs", "no pairs are assigned yet")
     elif failed:
         hs = C(
-            "HandshakesVerified",
-            "False",
+            CT.HANDSHAKES_VERIFIED,
+            CS.FALSE,
             "HandshakeFailed",
             f"{len(failed)} decode endpoint(s) report failed handshakes: "
             + "; ".join(f"{p.name}: {p.message}" for p in failed[:3]),
         )
     elif pending:
         hs = C(
-            "HandshakesVerified",
-            "False",
+            CT.HANDSHAKES_VERIFIED,
+            CS.FALSE,
             "HandshakesPending",
             f"{len(pending)} of {len(d_paired)} paired decode endpoints have not reported "
             f"successful handshakes at their peers' current epochs: {_names(pending)}",
         )
     else:
         hs = C(
-            "HandshakesVerified",
-            "True",
+            CT.HANDSHAKES_VERIFIED,
+            CS.TRUE,
             "AllHandshakesSucceeded",
             f"{len(d_paired)} decode endpoints verified {len(pairs)} pair(s)",
         )
-    if paired.status == "True" and hs.status == "True":
-        ready = C("Ready", "True", "AllPairsVerified", f"{len(pairs)} pair(s) ready")
+    if paired.status == CS.TRUE and hs.status == CS.TRUE:
+        ready = C(CT.READY, CS.TRUE, "AllPairsVerified", f"{len(pairs)} pair(s) ready")
     else:
-        blocker = paired if paired.status != "True" else hs
-        ready = C("Ready", "False", blocker.reason, blocker.message)
+        blocker = paired if paired.status != CS.TRUE else hs
+        ready = C(CT.READY, CS.FALSE, blocker.reason, blocker.message)
     parts = []
     if problems:
         parts.append(
@@ -159,11 +162,11 @@ def desired_conditions(
     if incomplete:
         parts.append(("IncompleteEngines", f"{incomplete} endpoint(s) of engines missing TP ranks"))
     if parts:
-        degraded = C("Degraded", "True", parts[0][0], "; ".join(m for _, m in parts))
+        degraded = C(CT.DEGRADED, CS.TRUE, parts[0][0], "; ".join(m for _, m in parts))
     else:
         degraded = C(
-            "Degraded",
-            "False",
+            CT.DEGRADED,
+            CS.FALSE,
             "AsExpected",
             "no incompatible, stale or incomplete endpoints, no endpoint on a lost node, no "
             "failed handshakes and no transport fallback",

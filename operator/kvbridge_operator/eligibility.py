@@ -52,7 +52,8 @@ class Verdicts:
         self.items[e.name] = EndpointPlan(e.name, e.role, state, reason, message)
 
     def incompatible(self, e: Endpoint, rule: str, field: str, message: str) -> None:
-        self.set(e, EndpointState.INCOMPATIBLE, "Incompatible", f"{field}: {message}")
+        self.set(e, EndpointState.INCOMPATIBLE, str(EndpointState.INCOMPATIBLE),
+                 f"{field}: {message}")
         self.problems.append(Problem(e.name, e.role, rule, field, message))
 
 

@@ -22,9 +22,10 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
 from .config import ENDPOINTS, GROUP, TRANSFERS, VERSION
+from .errors import OperatorError
 
 
-class KubeError(RuntimeError):
+class KubeError(OperatorError, RuntimeError):
     """A Kubernetes API call failed (other than 404)."""
 
 

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import syntax
+from .errors import OperatorError
 
 #: etcd's default ``--max-request-bytes``: the largest object that can be stored.
 ETCD_REQUEST_BYTES = 1536 * 1024
@@ -52,7 +53,7 @@ _INT64 = (2**63 - 1, -(2**63))
 _SET_BY_THE_APISERVER = ("apiVersion", "kind", "metadata")
 
 
-class UnboundedError(ValueError):
+class UnboundedError(OperatorError, ValueError):
     """A schema field admits values of any size."""
 
     def __init__(self, path: str, what: str) -> None:

@@ -22,6 +22,8 @@ from typing import Any
 
 import kopf
 
+from kvbridge_agent.resources import ENDPOINT_FIELDS
+
 from . import (
     admission,
     kopf_watch,
@@ -139,7 +141,7 @@ async def endpoint_event(
     A listed endpoint (type None: startup, or a relist after 410 Gone) makes every loop look
     for endpoints deleted while the watch was down (see reconciler)."""
     rt = runtime.from_memo(memo)
-    transfer = spec.get("transferName")
+    transfer = ENDPOINT_FIELDS.transfer.get(spec)
     if type is None:
         rt.loops.relisted()
     rt.loops.wake(namespace, transfer)

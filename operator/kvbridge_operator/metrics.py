@@ -14,6 +14,8 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from kvbridge_agent.resources import CONDITION_FIELDS, ConditionStatus, ConditionType
+
 from . import config
 from .planner import EndpointState, PairState, Plan
 
@@ -52,7 +54,7 @@ TRANSPORT_FALLBACKS = Gauge(
 #: PAIR_TRANSPORT label sets exported per KVTransfer, to drop those of pairs that went away.
 _pair_transport_series: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
 #: The KVTransfer conditions exported by TRANSFER_CONDITION (conditions.py sets these).
-CONDITIONS = ("GeometryCompatible", "Paired", "HandshakesVerified", "Ready", "Degraded")
+CONDITIONS: tuple[str, ...] = tuple(c.value for c in ConditionType)
 TRANSFER_CONDITION = Gauge(
     "kvbridge_transfer_condition",
     "KVTransfer status conditions: 1 when the condition's status is True, else 0.",
@@ -101,10 +103,11 @@ def record(namespace: str, transfer: str, plan: Plan) -> None:
 def record_conditions(namespace: str, transfer: str,
                       conditions: Iterable[Mapping[str, Any]]) -> None:
     """Export the conditions of a KVTransfer status as written (alerts key on Ready/Degraded)."""
+    f = CONDITION_FIELDS
     for c in conditions:
-        if c.get("type") in CONDITIONS:
-            TRANSFER_CONDITION.labels(namespace, transfer, c["type"]).set(
-                1 if c.get("status") == "True" else 0)
+        if f.type.get(c) in CONDITIONS:
+            TRANSFER_CONDITION.labels(namespace, transfer, f.type.at(c)).set(
+                1 if f.status.get(c) == ConditionStatus.TRUE else 0)
 
 
 def track(sizes: Callable[[], Mapping[str, int]]) -> None:

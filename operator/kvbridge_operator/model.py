@@ -1,28 +1,28 @@
-"""The planner's output types and the wire-field -> KVEndpoint-path mapping. Pure."""
+"""The planner's output types and the wire-field -> KVEndpoint-path mapping. Pure.
+
+The state values (:class:`EndpointState`, :class:`PairState`) are the shared status table's
+(``kvbridge_agent.resources``), re-exported here where the operator has always named them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
-from kvbridge_agent.resources import endpoint_path
+from kvbridge_agent.resources import PEER_FIELDS, EndpointState, PairState, document, endpoint_path
 
-
-class EndpointState(StrEnum):
-    PENDING = "Pending"
-    PAIRED = "Paired"
-    UNPAIRED = "Unpaired"
-    INCOMPATIBLE = "Incompatible"
-    STALE = "Stale"
-    EXCLUDED = "Excluded"
-    ORPHANED = "Orphaned"  # spec.transferName names no KVTransfer (written outside plans)
-
-
-class PairState(StrEnum):
-    PENDING = "Pending"
-    VERIFIED = "Verified"
-    FAILED = "Failed"
+__all__ = [
+    "DesiredCondition",
+    "EndpointPlan",
+    "EndpointState",
+    "Pair",
+    "PairState",
+    "Peer",
+    "Plan",
+    "Problem",
+    "RoleCounts",
+    "TransportFallback",
+    "endpoint_field",
+]
 
 
 @dataclass(frozen=True)
@@ -37,16 +37,8 @@ class Peer:
     epoch: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "engineId": self.engine_id,
-            "role": self.role,
-            "host": self.host,
-            "port": self.port,
-            "tpRank": self.tp_rank,
-            "tpSize": self.tp_size,
-            "epoch": self.epoch,
-        }
+        """The ``status.peers`` item."""
+        return document(PEER_FIELDS, vars(self))
 
 
 @dataclass(frozen=True)

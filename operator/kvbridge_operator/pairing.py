@@ -14,6 +14,8 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kvbridge_agent.resources import TOPOLOGY_AWARE
+
 from .compatibility import Candidates
 from .eligibility import Engine
 from .spec import Transfer
@@ -54,7 +56,7 @@ def assign(
     node_labels: Mapping[str, Mapping[str, str]],
 ) -> dict[str, list[str]]:
     """Decode engine id -> its assigned prefill engine ids, sorted (module docstring)."""
-    topo_key = transfer.topology_key if transfer.policy == "TopologyAware" else ""
+    topo_key = transfer.topology_key if transfer.policy == TOPOLOGY_AWARE else ""
     required = bool(topo_key) and transfer.topology_required
 
     def topo(e: Engine) -> str | None:

@@ -22,6 +22,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
 from kvbridge_agent.geometry import handshake_target_ranks
+from kvbridge_agent.resources import TOPOLOGY_AWARE, ConditionStatus, ConditionType
 from kvbridge_agent.rules import transport_accepted
 
 from .compatibility import Candidates, classify
@@ -153,7 +154,7 @@ def _peers_and_handshakes(
                     e.name,
                     e.role,
                     EndpointState.PAIRED,
-                    "Paired",
+                    str(EndpointState.PAIRED),  # the reason: the state itself
                     f"serving {len(peers)} decode rank(s) of "
                     f"{len({x.engine_id for x in peers})} engine(s)",
                     tuple(peers),
@@ -178,7 +179,7 @@ def _unpaired(
     """Why decode rank ``e`` got no prefill engine: none is compatible, or (with
     ``topologyScope: Required``, the one way compatible engines go unassigned) none is in
     its zone."""
-    required = transfer.policy == "TopologyAware" and transfer.topology_required
+    required = transfer.policy == TOPOLOGY_AWARE and transfer.topology_required
     if not candidates.ids or not required:
         return "NoPrefillEngines", "no compatible prefill engine is available"
     key = transfer.topology_key
@@ -266,7 +267,7 @@ def _finish(
 ) -> Plan:
     for e in eps:  # anything not decided yet (cannot happen today; keeps the plan total)
         if e.name not in v.items:
-            v.set(e, EndpointState.PENDING, "Pending", "not planned yet")
+            v.set(e, EndpointState.PENDING, str(EndpointState.PENDING), "not planned yet")
     prefill = _counts(PREFILL, eps, v, _compatible_engines(engines[PREFILL], v))
     decode = _counts(DECODE, eps, v, _compatible_engines(engines[DECODE], v))
     problems = sorted(v.problems, key=lambda p: p.endpoint)
@@ -279,8 +280,8 @@ def _finish(
     notes = [
         c
         for c in conditions
-        if (c.type == "Ready" and c.status != "True")
-        or (c.type == "Degraded" and c.status == "True")
+        if (c.type == ConditionType.READY and c.status != ConditionStatus.TRUE)
+        or (c.type == ConditionType.DEGRADED and c.status == ConditionStatus.TRUE)
     ]
     if notes:
         summary += "; " + "; ".join(f"{c.reason}: {c.message}" for c in notes)

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from kvbridge_agent.resources import ENDPOINT_FIELDS, SPEC
+
 POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
 ADMIN_GROUPS = frozenset({"system:masters"})
@@ -41,8 +43,8 @@ def owner_pod(body: Mapping[str, Any]) -> tuple[str | None, str | None]:
     for ref in (body.get("metadata") or {}).get("ownerReferences") or ():
         if isinstance(ref, Mapping) and ref.get("kind") == "Pod" and ref.get("apiVersion") == "v1":
             return ref.get("name"), ref.get("uid")
-    spec = body.get("spec") or {}
-    return spec.get("podName"), spec.get("podUID") or None
+    spec = body.get(SPEC) or {}
+    return ENDPOINT_FIELDS.pod_name.get(spec), ENDPOINT_FIELDS.pod_uid.get(spec) or None
 
 
 def is_exempt(userinfo: Mapping[str, Any], exempt_users: Iterable[str] = ()) -> bool:
@@ -72,7 +74,7 @@ def check_pod_identity(body: Mapping[str, Any], userinfo: Mapping[str, Any] | No
     if name != requester:
         errors.append(f"metadata.ownerReferences: owner Pod {name!r} is not the requesting pod "
                       f"{requester!r} ({user}); a pod may only publish its own KVEndpoint")
-    spec_pod = (body.get("spec") or {}).get("podName")
+    spec_pod = ENDPOINT_FIELDS.pod_name.get(body.get(SPEC))
     if spec_pod is not None and spec_pod != requester:
         errors.append(f"spec.podName: expected the requesting pod {requester!r}, got {spec_pod!r}")
     req_uid = _extra(userinfo, POD_UID_EXTRA)

@@ -26,11 +26,19 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge_agent.resources import ENDPOINT_KIND, TRANSFER_KIND
+from kvbridge_agent.resources import (
+    CONDITION_FIELDS,
+    ENDPOINT_KIND,
+    STATUS,
+    TRANSFER_KIND,
+    TRANSFER_STATUS_FIELDS,
+    ConditionStatus,
+    ConditionType,
+)
 
 from . import metrics, planner, status
 from .config import Settings
-from .errors import SpecError
+from .errors import OperatorError, SpecError
 from .kube import Kube, KubeUnavailable
 from .spec import Endpoint, parse_transfer
 
@@ -210,7 +218,7 @@ async def reconcile(
     namespace, name, kube, memory = ctx.namespace, ctx.name, ctx.kube, ctx.memory
     started = time.perf_counter()
     generation = int((body.get("metadata") or {}).get("generation") or 0)
-    stored = dict(body.get("status") or {})
+    stored = dict(body.get(STATUS) or {})
     old = memory.transfer if memory.transfer is not None else stored
     now = status.now_rfc3339()
     try:
@@ -218,7 +226,7 @@ async def reconcile(
     except SpecError as exc:
         new = status.invalid_transfer_status(old, generation=generation, now=now, message=str(exc))
         await _write_transfer(ctx, stored, old, new)
-        metrics.record_conditions(namespace, name, new["conditions"])
+        metrics.record_conditions(namespace, name, TRANSFER_STATUS_FIELDS.conditions.at(new))
         metrics.RECONCILES.labels("invalid").inc()
         return None
     plan = planner.plan(transfer, endpoints, nodes, lost_nodes)
@@ -242,7 +250,7 @@ async def reconcile(
         del memory.endpoints[gone]
     await _write_transfer(ctx, stored, old, new)
     metrics.record(namespace, name, plan)
-    metrics.record_conditions(namespace, name, new["conditions"])
+    metrics.record_conditions(namespace, name, TRANSFER_STATUS_FIELDS.conditions.at(new))
     metrics.RECONCILES.labels("ok").inc()
     metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
     return plan
@@ -257,12 +265,15 @@ async def _write_transfer(
     if await ctx.kube.patch_transfer_status(ctx.namespace, ctx.name, _with_removals(stored, new)):
         metrics.STATUS_WRITES.labels(TRANSFER_KIND).inc()
         memory.transfer = new
-        for c in status.transitions(old.get("conditions"), new.get("conditions") or []):
-            good = (c["status"] == "True") != (c["type"] == "Degraded")
+        conditions = TRANSFER_STATUS_FIELDS.conditions
+        f = CONDITION_FIELDS
+        for c in status.transitions(conditions.get(old), conditions.get(new) or []):
+            kind, state = f.type.at(c), f.status.at(c)
+            good = (state == ConditionStatus.TRUE) != (kind == ConditionType.DEGRADED)
             ctx.emit(
                 "Normal" if good else "Warning",
-                c["reason"],
-                f"{c['type']}={c['status']}: {c['message']}",
+                f.reason.at(c),
+                f"{kind}={state}: {f.message.at(c)}",
             )
 
 
@@ -279,7 +290,7 @@ def _with_removals(stored: Mapping[str, Any], new: dict[str, Any]) -> dict[str, 
 RELEASE_RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0)
 
 
-class ReleaseDeferred(Exception):
+class ReleaseDeferred(OperatorError):
     """The API server could not be reached to tell every endpoint of a deleted KVTransfer;
     the release should run again later. Keeping the finalizer meanwhile costs nothing: its
     removal needs the same API server."""

@@ -8,21 +8,35 @@ example created while the webhook was down); its message names the field.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 from kvbridge_agent.protocol import EngineGeometry, RegionGeometry
 from kvbridge_agent.resources import (
+    BALANCED,
+    DOES_NOT_EXIST,
     ENDPOINT_FIELDS,
+    ENDPOINT_STATUS_FIELDS,
+    EXISTS,
     GEOMETRY,
     GEOMETRY_FIELDS,
+    HANDSHAKE_FIELDS,
+    IN,
+    NOT_IN,
+    PEER_FIELDS,
     REGION_FIELDS,
     REGIONS,
+    REQUIRED,
+    REQUIREMENT_FIELDS,
+    ROLE_SPEC_FIELDS,
+    SPEC,
+    STATUS,
+    TRANSFER_SPEC_FIELDS,
     EndpointField,
+    HandshakeState,
 )
-from kvbridge_agent.rules import MODES
 
 from .config import DECODE, PREFILL
 from .errors import SpecError
@@ -134,8 +148,9 @@ class Endpoint:
     @property
     def previous_peer_engines(self) -> tuple[str, ...]:
         """Engine ids of the peers the operator assigned last time (for sticky pairing)."""
-        peers = self.status.get("peers") or ()
-        return tuple(sorted({p.get("engineId", "") for p in peers if isinstance(p, Mapping)}))
+        peers = ENDPOINT_STATUS_FIELDS.peers.get(self.status) or ()
+        engine_id = PEER_FIELDS.engine_id
+        return tuple(sorted({p.get(engine_id.key, "") for p in peers if isinstance(p, Mapping)}))
 
     @cached_property
     def validation_geometry(self) -> EngineGeometry:
@@ -161,14 +176,24 @@ def _field(d: Mapping[str, Any], f: EndpointField, path: str) -> Any:
     for parent in f.parents:
         d = _get(d, parent, path, Mapping)
         path = f"{path}.{parent}"
+    return _leaf(d, f, path)
+
+
+def _leaf(d: Mapping[str, Any], f: EndpointField, path: str) -> Any:
+    """Read a table field of ``d`` by its own name (``d`` is its parent already)."""
     default = _MISSING if f.required else f.default
     if f.choices:
         return _enum(d, f.name, path, f.choices, default)
     return _get(d, f.name, path, f.kind, default)
 
 
-def _fields(d: Mapping[str, Any], table: tuple[EndpointField, ...], path: str) -> dict[str, Any]:
+def _fields(d: Mapping[str, Any], table: Sequence[EndpointField], path: str) -> dict[str, Any]:
     return {f.attr: _field(d, f, path) for f in table}
+
+
+#: What the operator reads of a ``status.handshakes`` item, in the order it checks it.
+_HANDSHAKE_READ = tuple(getattr(HANDSHAKE_FIELDS, a)
+                        for a in ("state", "peer", "epoch", "message", "transport"))
 
 
 def parse_geometry(raw: Mapping[str, Any], path: str = "spec.geometry") -> Geometry:
@@ -187,25 +212,18 @@ def parse_geometry(raw: Mapping[str, Any], path: str = "spec.geometry") -> Geome
 def parse_endpoint(body: Mapping[str, Any]) -> Endpoint:
     """Parse a KVEndpoint object (dict or kopf body). Raises :class:`SpecError`."""
     meta = body.get("metadata") or {}
-    spec = _get(body, "spec", "", Mapping)
-    status = body.get("status") or {}
-    _get(spec, "sideChannel", "spec", Mapping)   # named before the status is read
+    spec = _get(body, SPEC, "", Mapping)
+    status = body.get(STATUS) or {}
+    _get(spec, ENDPOINT_FIELDS.host.parents[0], SPEC, Mapping)   # named before the status is read
+    shakes = ENDPOINT_STATUS_FIELDS.handshakes
     handshakes = []
-    for i, h in enumerate(status.get("handshakes") or ()):
-        hp = f"status.handshakes[{i}]"
+    for i, h in enumerate(shakes.get(status) or ()):
+        hp = f"{STATUS}.{shakes.key}[{i}]"
         if not isinstance(h, Mapping):
             raise SpecError(hp, "an object", h)
-        state = _enum(h, "state", hp, ("Succeeded", "Failed"))
-        handshakes.append(
-            Handshake(
-                peer=_get(h, "peer", hp, str),
-                epoch=_get(h, "epoch", hp, int),
-                succeeded=state == "Succeeded",
-                message=_get(h, "message", hp, str, ""),
-                transport=_get(h, "transport", hp, str, ""),
-            )
-        )
-    own = {k: v for k, v in status.items() if k != "handshakes"}
+        f = _fields(h, _HANDSHAKE_READ, hp)
+        handshakes.append(Handshake(succeeded=f.pop("state") == HandshakeState.SUCCEEDED, **f))
+    own = {k: v for k, v in status.items() if k != shakes.key}
     return Endpoint(
         name=meta.get("name", ""),
         namespace=meta.get("namespace", ""),
@@ -232,11 +250,11 @@ class Requirement:
 
     def matches(self, labels: Mapping[str, str]) -> bool:
         present = self.key in labels
-        if self.operator == "Exists":
+        if self.operator == EXISTS:
             return present
-        if self.operator == "DoesNotExist":
+        if self.operator == DOES_NOT_EXIST:
             return not present
-        if self.operator == "In":
+        if self.operator == IN:
             return present and labels[self.key] in self.values
         return not present or labels[self.key] not in self.values  # NotIn
 
@@ -274,7 +292,7 @@ class Transfer:
     side_channel_port: int
     prefill: RoleSpec
     decode: RoleSpec
-    policy: str = "Balanced"
+    policy: str = BALANCED
     topology_key: str = ""
     topology_required: bool = False  # pairing.topologyScope Required: never across zones
     prefill_per_decode: int = 1
@@ -285,38 +303,38 @@ class Transfer:
         return self.prefill if role == PREFILL else self.decode
 
 
+_ROLE, _REQ = ROLE_SPEC_FIELDS, REQUIREMENT_FIELDS
+
+
 def parse_selector(raw: Any, path: str) -> Selector | None:
     if raw is None:
         return None
     if not isinstance(raw, Mapping):
         raise SpecError(path, "a label selector object", raw)
-    reqs = [Requirement(k, "In", (v,)) for k, v in sorted((raw.get("matchLabels") or {}).items())]
-    for i, e in enumerate(raw.get("matchExpressions") or ()):
-        ep = f"{path}.matchExpressions[{i}]"
-        op = _enum(e, "operator", ep, ("In", "NotIn", "Exists", "DoesNotExist"))
-        values = tuple(_get(e, "values", ep, list, []))
-        if op in ("In", "NotIn") and not values:
+    sel = _ROLE.selector.fields
+    labels = sel.match_labels.get(raw) or {}
+    reqs = [Requirement(k, IN, (v,)) for k, v in sorted(labels.items())]
+    for i, e in enumerate(sel.match_expressions.get(raw) or ()):
+        ep = f"{path}.{sel.match_expressions.key}[{i}]"
+        op = _leaf(e, _REQ.operator, ep)
+        values = tuple(_leaf(e, _REQ.values, ep))
+        if op in (IN, NOT_IN) and not values:
             raise SpecError(f"{ep}.values", f"at least one value for operator {op}", [])
-        if op in ("Exists", "DoesNotExist") and values:
+        if op in (EXISTS, DOES_NOT_EXIST) and values:
             raise SpecError(f"{ep}.values", f"no values for operator {op}", list(values))
-        reqs.append(Requirement(_get(e, "key", ep, str), op, values))
+        reqs.append(Requirement(_leaf(e, _REQ.key, ep), op, values))
     return Selector(tuple(reqs))
 
 
 def parse_role(raw: Mapping[str, Any], path: str) -> RoleSpec:
-    exp = raw.get("expectedGeometry")
+    exp = _ROLE.expected.get(raw)
     expected = None
     if exp is not None:
-        ep = f"{path}.expectedGeometry"
-        expected = ExpectedGeometry(
-            block_size=_get(exp, "blockSize", ep, int, None),
-            kv_cache_layout=_get(exp, "kvCacheLayout", ep, str, None),
-            attention_backend=_get(exp, "attentionBackend", ep, str, None),
-            num_regions=_get(exp, "numRegions", ep, int, None),
-        )
+        ep = f"{path}.{_ROLE.expected.key}"
+        expected = ExpectedGeometry(**_fields(exp, _ROLE.expected.fields, ep))
     return RoleSpec(
-        tp_size=_get(raw, "tensorParallelSize", path, int),
-        selector=parse_selector(raw.get("selector"), f"{path}.selector"),
+        tp_size=_leaf(raw, _ROLE.tp_size, path),
+        selector=parse_selector(_ROLE.selector.get(raw), f"{path}.{_ROLE.selector.key}"),
         expected=expected,
     )
 
@@ -324,29 +342,32 @@ def parse_role(raw: Mapping[str, Any], path: str) -> RoleSpec:
 def parse_transfer(body: Mapping[str, Any]) -> Transfer:
     """Parse a KVTransfer object (dict or kopf body). Raises :class:`SpecError`."""
     meta = body.get("metadata") or {}
-    spec = _get(body, "spec", "", Mapping)
-    pairing = spec.get("pairing") or {}
-    compat = spec.get("compatibility") or {}
-    transport = _get(spec, "transport", "spec", Mapping, {})
-    accepted = _get(transport, "accepted", "spec.transport", list, [])
+    spec = _get(body, SPEC, "", Mapping)
+    t = TRANSFER_SPEC_FIELDS
+    pairing_key, compat_key, transport_key = (
+        t.policy.parents[0], t.enforce_hash.parents[0], t.accepted_transports.parents[0])
+    pairing = spec.get(pairing_key) or {}
+    compat = spec.get(compat_key) or {}
+    transport = _get(spec, transport_key, SPEC, Mapping, {})
+    accepted = _leaf(transport, t.accepted_transports, f"{SPEC}.{transport_key}")
     for i, name in enumerate(accepted):
         if not isinstance(name, str) or not _TRANSPORT_NAME.match(name):
-            raise SpecError(f"spec.transport.accepted[{i}]",
+            raise SpecError(f"{SPEC}.{t.accepted_transports.key}[{i}]",
                             "a UCX transport name such as cma, tcp, rc or cuda_ipc", name)
+    pp, cp = f"{SPEC}.{pairing_key}", f"{SPEC}.{compat_key}"
     return Transfer(
         name=meta.get("name", ""),
         namespace=meta.get("namespace", ""),
         generation=int(meta.get("generation") or 0),
-        protocol_version=_get(spec, "protocolVersion", "spec", int),
-        mode=_enum(spec, "mode", "spec", MODES, "pull"),
-        side_channel_port=_get(spec, "sideChannelPort", "spec", int, 5600),
-        prefill=parse_role(_get(spec, PREFILL, "spec", Mapping), f"spec.{PREFILL}"),
-        decode=parse_role(_get(spec, DECODE, "spec", Mapping), f"spec.{DECODE}"),
-        policy=_enum(pairing, "policy", "spec.pairing", ("Balanced", "TopologyAware"), "Balanced"),
-        topology_key=_get(pairing, "topologyKey", "spec.pairing", str, ""),
-        topology_required=_enum(pairing, "topologyScope", "spec.pairing",
-                                ("Preferred", "Required"), "Preferred") == "Required",
-        prefill_per_decode=_get(pairing, "prefillPerDecode", "spec.pairing", int, 1),
-        enforce_hash=_get(compat, "enforceHash", "spec.compatibility", bool, True),
+        protocol_version=_leaf(spec, t.protocol_version, SPEC),
+        mode=_leaf(spec, t.mode, SPEC),
+        side_channel_port=_leaf(spec, t.side_channel_port, SPEC),
+        prefill=parse_role(_get(spec, PREFILL, SPEC, Mapping), f"{SPEC}.{PREFILL}"),
+        decode=parse_role(_get(spec, DECODE, SPEC, Mapping), f"{SPEC}.{DECODE}"),
+        policy=_leaf(pairing, t.policy, pp),
+        topology_key=_leaf(pairing, t.topology_key, pp),
+        topology_required=_leaf(pairing, t.topology_scope, pp) == REQUIRED,
+        prefill_per_decode=_leaf(pairing, t.prefill_per_decode, pp),
+        enforce_hash=_leaf(compat, t.enforce_hash, cp),
         accepted_transports=tuple(accepted),
     )

@@ -13,12 +13,27 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from kvbridge_agent.resources import (
+    CONDITION_FIELDS,
+    ENDPOINT_STATUS_FIELDS,
+    OPERATOR_STATUS_KEYS,
+    PAIR_FIELDS,
+    PAIRS_FIELDS,
+    PROBLEM_FIELDS,
+    ROLE_COUNT_FIELDS,
+    TRANSFER_STATUS_FIELDS,
+    ConditionStatus,
+    ConditionType,
+    document,
+)
+
 from .config import MAX_PEERS
 from .planner import DesiredCondition, EndpointPlan, EndpointState, Plan
 from .spec import Endpoint
 
 #: KVEndpoint status keys the operator owns.
-ENDPOINT_KEYS = ("observedGeneration", "observedEpoch", "state", "reason", "message", "peers")
+ENDPOINT_KEYS = OPERATOR_STATUS_KEYS
+_C = CONDITION_FIELDS
 #: Bounds of the CRDs' status fields (each written value is cut to them, never refused).
 MAX_PAIRS_LISTED = 1000
 MAX_PROBLEMS_LISTED = 100
@@ -43,21 +58,20 @@ def merge_conditions(
     generation: int,
 ) -> list[dict[str, Any]]:
     """New condition list; keeps ``lastTransitionTime`` when the status did not change."""
-    previous = {c.get("type"): c for c in old or () if isinstance(c, Mapping)}
+    previous = {_C.type.get(c): c for c in old or () if isinstance(c, Mapping)}
     result = []
     for d in desired:
         prev = previous.get(d.type)
-        same = prev is not None and prev.get("status") == d.status
-        result.append(
-            {
-                "type": d.type,
-                "status": d.status,
-                "reason": d.reason,
-                "message": d.message[:MAX_CONDITION_MESSAGE],
-                "lastTransitionTime": prev.get("lastTransitionTime", now) if same else now,
-                "observedGeneration": generation,
-            }
-        )
+        same = prev is not None and _C.status.get(prev) == d.status
+        since = prev.get(_C.last_transition_time.key, now) if same else now  # type: ignore[union-attr]
+        result.append(document(_C, {
+            "type": str(d.type),
+            "status": str(d.status),
+            "reason": d.reason,
+            "message": d.message[:MAX_CONDITION_MESSAGE],
+            "last_transition_time": since,
+            "observed_generation": generation,
+        }))
     return result
 
 
@@ -65,12 +79,12 @@ def transitions(
     old: Sequence[Mapping[str, Any]] | None, new: Sequence[Mapping[str, Any]]
 ) -> list[Mapping[str, Any]]:
     """Conditions whose status differs from before (new conditions count, Unknown does not)."""
-    previous = {c.get("type"): c.get("status") for c in old or () if isinstance(c, Mapping)}
+    previous = {_C.type.get(c): _C.status.get(c) for c in old or () if isinstance(c, Mapping)}
     return [
         c
         for c in new
-        if previous.get(c["type"]) != c["status"]
-        and not (c["status"] == "Unknown" and c["type"] not in previous)
+        if previous.get(_C.type.at(c)) != _C.status.at(c)
+        and not (_C.status.at(c) == ConditionStatus.UNKNOWN and _C.type.at(c) not in previous)
     ]
 
 
@@ -79,40 +93,39 @@ def transfer_status(
 ) -> dict[str, Any]:
     """The whole KVTransfer ``status`` for ``plan``."""
     old = old or {}
-    return {
-        "observedGeneration": generation,
+    pairs = [
+        document(PAIR_FIELDS, {
+            "decode_engine": p.decode_engine,
+            "prefill_engine": p.prefill_engine,
+            "state": str(p.state),
+            **({"transports": [t[:MAX_TRANSPORT_NAME] for t in p.transports[:MAX_PAIR_TRANSPORTS]]}
+               if p.transports else {}),
+        })
+        for p in plan.pairs[:MAX_PAIRS_LISTED]
+    ]
+    problems = [
+        document(PROBLEM_FIELDS, {
+            "endpoint": p.endpoint,
+            "role": p.role,
+            "rule": p.rule,
+            "field": p.field[:MAX_PROBLEM_FIELD],
+            "message": p.message[:MAX_PROBLEM_MESSAGE],
+        })
+        for p in plan.problems[:MAX_PROBLEMS_LISTED]
+    ]
+    conditions = TRANSFER_STATUS_FIELDS.conditions
+    return document(TRANSFER_STATUS_FIELDS, {
+        "observed_generation": generation,
         "summary": plan.summary,
-        "prefill": asdict(plan.prefill),
-        "decode": asdict(plan.decode),
-        "pairs": {
-            "total": len(plan.pairs),
-            "verified": plan.verified_pairs,
-            "items": [
-                {
-                    "decodeEngine": p.decode_engine,
-                    "prefillEngine": p.prefill_engine,
-                    "state": str(p.state),
-                    **({"transports": [t[:MAX_TRANSPORT_NAME]
-                                       for t in p.transports[:MAX_PAIR_TRANSPORTS]]}
-                       if p.transports else {}),
-                }
-                for p in plan.pairs[:MAX_PAIRS_LISTED]
-            ],
-        },
-        "incompatible": [
-            {
-                "endpoint": p.endpoint,
-                "role": p.role,
-                "rule": p.rule,
-                "field": p.field[:MAX_PROBLEM_FIELD],
-                "message": p.message[:MAX_PROBLEM_MESSAGE],
-            }
-            for p in plan.problems[:MAX_PROBLEMS_LISTED]
-        ],
+        "prefill": document(ROLE_COUNT_FIELDS, asdict(plan.prefill)),
+        "decode": document(ROLE_COUNT_FIELDS, asdict(plan.decode)),
+        "pairs": document(PAIRS_FIELDS, {
+            "total": len(plan.pairs), "verified": plan.verified_pairs, "listed": pairs}),
+        "incompatible": problems,
         "conditions": merge_conditions(
-            old.get("conditions"), plan.conditions, now=now, generation=generation
+            conditions.get(old), plan.conditions, now=now, generation=generation
         ),
-    }
+    })
 
 
 def invalid_transfer_status(
@@ -121,16 +134,16 @@ def invalid_transfer_status(
     """Status for a KVTransfer whose spec cannot be parsed (admission was bypassed)."""
     old = old or {}
     desired = [
-        DesiredCondition("Ready", "False", "InvalidSpec", message),
-        DesiredCondition("Degraded", "True", "InvalidSpec", message),
+        DesiredCondition(ConditionType.READY, ConditionStatus.FALSE, "InvalidSpec", message),
+        DesiredCondition(ConditionType.DEGRADED, ConditionStatus.TRUE, "InvalidSpec", message),
     ]
-    return {
-        "observedGeneration": generation,
+    return document(TRANSFER_STATUS_FIELDS, {
+        "observed_generation": generation,
         "summary": f"InvalidSpec: {message}"[:1000],
         "conditions": merge_conditions(
-            old.get("conditions"), desired, now=now, generation=generation
+            TRANSFER_STATUS_FIELDS.conditions.get(old), desired, now=now, generation=generation
         ),
-    }
+    })
 
 
 def endpoint_status(verdict: EndpointPlan, endpoint: Endpoint) -> dict[str, Any]:
@@ -147,14 +160,14 @@ def endpoint_status(verdict: EndpointPlan, endpoint: Endpoint) -> dict[str, Any]
             f"listed in status.peers (its limit); pairs with the others stay unverified: "
             f"{message}"
         )
-    return {
-        "observedGeneration": endpoint.generation,
-        "observedEpoch": endpoint.epoch,
+    return document(ENDPOINT_STATUS_FIELDS, {
+        "observed_generation": endpoint.generation,
+        "observed_epoch": endpoint.epoch,
         "state": str(verdict.state),
         "reason": verdict.reason,
         "message": message[:MAX_ENDPOINT_MESSAGE],
         "peers": [p.to_dict() for p in verdict.peers[:MAX_PEERS_LISTED]],
-    }
+    })
 
 
 def orphaned_endpoint_status(endpoint: Endpoint, *, deleted: bool = False) -> dict[str, Any]:
@@ -170,24 +183,25 @@ def orphaned_endpoint_status(endpoint: Endpoint, *, deleted: bool = False) -> di
     else:
         reason = "TransferNotFound"
         why = f"no KVTransfer named {t} (spec.transferName) exists in namespace {ns}"
-    return {
-        "observedGeneration": endpoint.generation,
-        "observedEpoch": endpoint.epoch,
+    return document(ENDPOINT_STATUS_FIELDS, {
+        "observed_generation": endpoint.generation,
+        "observed_epoch": endpoint.epoch,
         "state": str(EndpointState.ORPHANED),
         "reason": reason,
         "message": f"{why}; this endpoint stays idle until a KVTransfer {t} is created there",
         "peers": [],
-    }
+    })
 
 
 def orphaned_status_for(endpoint: Endpoint) -> dict[str, Any]:
     """The orphan status to keep for ``endpoint``: ``TransferDeleted`` stays while its spec
     is unchanged (the more specific story), anything else becomes ``TransferNotFound``."""
     stored = endpoint.status or {}
+    own = ENDPOINT_STATUS_FIELDS
     deleted = (
-        stored.get("state") == EndpointState.ORPHANED
-        and stored.get("reason") == "TransferDeleted"
-        and stored.get("observedGeneration") == endpoint.generation
+        own.state.get(stored) == EndpointState.ORPHANED
+        and own.reason.get(stored) == "TransferDeleted"
+        and own.observed_generation.get(stored) == endpoint.generation
     )
     return orphaned_endpoint_status(endpoint, deleted=deleted)
 

@@ -14,7 +14,14 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
-from kvbridge_agent.resources import API_VERSION, ENDPOINT_KIND, TRANSFER_KIND
+from kvbridge_agent.resources import (
+    API_VERSION,
+    ENDPOINT_KIND,
+    HANDSHAKE_FIELDS,
+    TRANSFER_KIND,
+    HandshakeState,
+    document,
+)
 
 from . import limits
 
@@ -146,18 +153,16 @@ def engine_manifests(engine_id: str, role: str, tp_size: int = 1, **kw: Any) -> 
 def handshake(peer: str, epoch: int, ok: bool = True, message: str = "",
               transport: str = "") -> dict[str, Any]:  # fmt: skip
     """One ``status.handshakes`` entry as the agent writes it."""
-    entry: dict[str, Any] = {
+    values: dict[str, Any] = {
         "peer": peer,
         "epoch": epoch,
-        "state": "Succeeded" if ok else "Failed",
+        "state": str(HandshakeState.SUCCEEDED if ok else HandshakeState.FAILED),
         "time": "2025-01-01T00:00:00Z",
+        "message": message,  # the agent leaves an empty message out
     }
-    if message:  # the agent leaves an empty message out
-        entry["message"] = message
     if transport:  # ... and reports the transport of succeeded ones
-        entry["transport"] = transport
-        entry["transportDetail"] = f"{transport}/dev0"
-    return entry
+        values.update(transport=transport, transport_detail=f"{transport}/dev0")
+    return document(HANDSHAKE_FIELDS, values)
 
 
 def largest_endpoint(schema: Mapping[str, Any], name: str, *, transfer: str = "kvt") -> dict:

@@ -11,7 +11,9 @@ verified with a preflight handshake, in vLLM's P/D request flow.
 - :mod:`.picker`, :mod:`.extproc` the inference gateway's endpoint picker
 - :mod:`.sidecar` the decode pod's P/D sidecar
 - :mod:`.flow`    pure: the prefill and decode requests, the lease rule
-- :mod:`.proxy`   aiohttp handlers: retries, streaming, errors
+- :mod:`.proxy`   aiohttp handlers: retries, streaming, errors (:mod:`.fanout` for batched
+  prompts and ``n``; :mod:`.upstream` the answers a request ends in; :mod:`.settings`)
+- :mod:`.errors`  the router's error tree, under ``RouterError``
 - :mod:`.watch`   the KVTransfer and KVEndpoint watches that keep the table current
 - :mod:`.metrics` Prometheus metrics
 

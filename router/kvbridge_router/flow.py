@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .errors import RouterError
+
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
@@ -29,7 +31,7 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
                   "remote_host": None, "remote_port": None}  # fmt: skip
 
 
-class RequestError(ValueError):
+class RequestError(RouterError, ValueError):
     """The client's request cannot take the P/D path; the message names the field."""
 
 

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 
 import msgspec
 
+from .errors import RouterError
 from .prefix import PrefixIndex
 
 _decoder = msgspec.msgpack.Decoder()
 
 
-class EventError(ValueError):
+class EventError(RouterError, ValueError):
     """A message that is not a KV event batch."""
 
 

@@ -30,6 +30,7 @@ import msgspec
 from aiohttp import web
 
 from .client_errors import error_body
+from .errors import RouterError
 
 JSON_MEDIA_TYPE = "application/json"
 #: vLLM 0.30.0's answer to another media type (its RequestValidationError handler's words)
@@ -43,7 +44,7 @@ MAX_INPUT_CHARS = 200
 _decode_json = msgspec.json.Decoder().decode
 
 
-class BodyError(Exception):
+class BodyError(RouterError):
     """The body cannot be taken: answered with ``status`` and ``body``; ``close`` when the
     connection must close after the answer (its body was not read to the end)."""
 

@@ -28,24 +28,23 @@ is counted once, however its handler ends (tally.py).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 import aiohttp
-import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import logfilter, sse, tally
 from . import metrics as m
-from .affinity import CacheTracker, TrackingSettings
-from .balance import Balancer, ChooserSettings, Pair, Prompt
-from .batching import Plan, StreamMerge, merge_answers, plan
-from .client_errors import error_body, prefill_rejection
+from .affinity import CacheTracker
+from .balance import Balancer, Pair, Prompt
+from .batching import plan
+from .client_errors import prefill_rejection
+from .errors import EngineRejection, Refusal, UpstreamError
+from .fanout import FanOut
 from .flow import (
     CHAT,
     COMPLETIONS,
@@ -57,147 +56,39 @@ from .flow import (
     transfer_params,
 )
 from .limits import BodyError, read_json
+from .settings import RouterSettings
 from .table import Engine, RoutingTable
+from .upstream import (
+    JSON_CONTENT_TYPE,
+    JSON_HEADERS,
+    SSE,
+    Answer,
+    Upstream,
+    decode_json,
+    encode,
+    error_response,
+    stream_error,
+)
+
+#: Re-exported where callers have always found them.
+__all__ = [
+    "Answer",
+    "EngineRejection",
+    "Refusal",
+    "Router",
+    "RouterSettings",
+    "Upstream",
+    "UpstreamError",
+    "error_response",
+]
 
 log = logging.getLogger("kvbridge.router")
 
 ATTEMPTS = 2          # the first try and one retry on another pair
 MAX_LEASE_REPREFILLS = 2
-SSE = "text/event-stream"
-JSON_CONTENT_TYPE = "application/json"
-JSON_HEADERS = {"Content-Type": JSON_CONTENT_TYPE}
-#: events of a fanned-out stream read ahead of the client (beyond, the decodes wait)
-MERGE_QUEUE = 64
-_encode = msgspec.json.Encoder().encode
-_decode_json = msgspec.json.Decoder().decode
 
 
-@dataclass(frozen=True)
-class RouterSettings:
-    engine_port: int = 8000
-    #: the prefills' kv_lease_duration (vLLM's default) and the part of it kept in reserve
-    lease_s: float = 30.0
-    lease_margin_s: float = 5.0
-    prefill_timeout_s: float = 300.0
-    #: connecting to a decode and receiving its response headers
-    decode_connect_timeout_s: float = 30.0
-    #: the largest request body; a larger declared Content-Length is refused at once (413)
-    max_body_bytes: int = 64 * 2**20
-    #: reading a request's whole body, once its headers arrived (408 past it)
-    body_timeout_s: float = 30.0
-    #: a connection's time to deliver a complete request line and headers, from its opening
-    #: or from the end of its previous answer. This is aiohttp's keep-alive timer (its
-    #: RequestHandler closes a connection still waiting for a request when it fires, and
-    #: arms it at the connection's start), so an idle keep-alive connection closes as late;
-    #: vLLM's own server closes idle connections after 5 s.
-    header_timeout_s: float = 15.0
-    #: P/D requests one request may fan out into (batched prompts × n, batching.py)
-    max_fanout: int = 256
-    #: which pair: the policy and its weights (balance.py)
-    chooser: ChooserSettings = field(default_factory=ChooserSettings)
-    #: how the cache-aware policy learns what engines hold and how busy they are (affinity.py)
-    tracking: TrackingSettings = field(default_factory=TrackingSettings)
-
-
-class Refusal(Exception):
-    """The request cannot be served as asked (the sidecar's prefill header names no verified
-    peer, say): answered with ``status`` and the message, never retried."""
-
-    def __init__(self, status: int, message: str, kind: str) -> None:
-        super().__init__(message)
-        self.status, self.kind = status, kind
-
-
-class UpstreamError(Exception):
-    """A prefill or decode failed before the client saw a byte; retried on another pair."""
-
-    def __init__(self, stage: str, message: str) -> None:
-        super().__init__(message)
-        self.stage = stage
-
-
-class EngineRejection(Exception):
-    """The prefill answered the client's request with a 4xx: the client's answer as it
-    stands, never retried."""
-
-    def __init__(self, status: int, body: bytes, content_type: str) -> None:
-        super().__init__(f"HTTP {status}")
-        self.status, self.body, self.content_type = status, body, content_type
-
-
-def error_response(status: int, message: str, kind: str, param: str | None = None
-                   ) -> web.Response:  # fmt: skip
-    return web.json_response(error_body(message, kind, status, param), status=status)
-
-
-@dataclass(frozen=True)
-class Answer:
-    """How a P/D request ended when no decode answer is left to relay: the client's answer
-    and its outcome."""
-
-    status: int
-    body: bytes
-    outcome: str
-    pair: Pair | None = None
-    content_type: str = JSON_CONTENT_TYPE
-
-    @classmethod
-    def error(cls, status: int, message: str, kind: str, outcome: str,
-              pair: Pair | None = None) -> Answer:  # fmt: skip
-        return cls(status, _encode(error_body(message, kind, status)), outcome, pair)
-
-    def response(self) -> web.Response:
-        return web.Response(status=self.status, body=self.body,
-                            headers={"Content-Type": self.content_type})  # fmt: skip
-
-
-class Upstream:
-    """A decode's answer once its status and first bytes arrived (all of it unless it
-    streams). ``close`` ends it: the connection closes if it was not read to the end, which
-    makes vLLM abort the request."""
-
-    def __init__(self, resp: aiohttp.ClientResponse, first: bytes, pair: Pair, began: float,
-                 streaming: bool) -> None:  # fmt: skip
-        self.resp, self.first, self.pair, self.streaming = resp, first, pair, streaming
-        self._began = began
-        self._on_close: list[Callable[[], None]] = []
-        self._closed = False
-
-    @property
-    def status(self) -> int:
-        return self.resp.status
-
-    @property
-    def content_type(self) -> str:
-        return self.resp.headers.get("Content-Type", "")
-
-    async def rest(self) -> AsyncIterator[bytes]:
-        """The bytes after ``first``, as they arrive."""
-        async for chunk in self.resp.content.iter_any():
-            yield chunk
-
-    def on_close(self, callback: Callable[[], None]) -> None:
-        self._on_close.append(callback)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.resp.release()
-        m.DECODE_SECONDS.observe(time.monotonic() - self._began)
-        for callback in self._on_close:
-            callback()
-
-    def rejection(self) -> Answer | None:
-        """The decode's 4xx as the client's answer (closed), or None."""
-        if self.status < 400:
-            return None
-        self.close()
-        return Answer(self.status, self.first, "rejected", self.pair,
-                      self.content_type or JSON_CONTENT_TYPE)  # fmt: skip
-
-
-class Router:
+class Router(FanOut):
     """Request handling; ``app()`` wires it to routes."""
 
     #: where the latest routing table comes from (the KVTransfer watch)
@@ -427,7 +318,7 @@ class Router:
         began = time.monotonic()
         try:
             async with self.session.post(
-                    self._url(engine, path), data=_encode(prefill_request(path, body)),
+                    self._url(engine, path), data=encode(prefill_request(path, body)),
                     headers=JSON_HEADERS,
                     timeout=aiohttp.ClientTimeout(total=self.settings.prefill_timeout_s)
             ) as resp:
@@ -438,7 +329,7 @@ class Router:
                 if resp.status != 200:
                     raise UpstreamError("prefill", f"prefill answered HTTP {resp.status}: "
                                         f"{raw[:300].decode(errors='replace')}")
-                params = transfer_params(_decode_json(raw))
+                params = transfer_params(decode_json(raw))
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise UpstreamError("prefill", f"prefill {engine.engine_id}: "
                                 f"{type(exc).__name__}: {exc}") from exc
@@ -455,7 +346,7 @@ class Router:
         began = time.monotonic()
         try:
             resp = await self.session.post(
-                self._url(engine, path), data=_encode(body), headers=JSON_HEADERS,
+                self._url(engine, path), data=encode(body), headers=JSON_HEADERS,
                 timeout=aiohttp.ClientTimeout(
                     total=None, sock_connect=self.settings.decode_connect_timeout_s))
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -536,112 +427,9 @@ class Router:
             if not done:
                 log.warning("decode %s failed mid-answer: %s", pair.decode.engine_id, exc)
                 separator = b"" if tail.endswith(b"\n\n") else b"\n\n"
-                await out.write(separator + _stream_error(pair, exc) + sse.DONE_EVENT)
+                await out.write(separator + stream_error(pair, exc) + sse.DONE_EVENT)
                 outcome = "stream_error"
         self._settle(outcome, pair)
-        await out.write_eof()
-        return out
-
-    # -- fan-out (batching.py) -------------------------------------------------------------
-    async def _fan_out(self, request: web.Request, fan: Plan, started: float
-                       ) -> web.StreamResponse:  # fmt: skip
-        begun = await self._start_all(request, fan)
-        if isinstance(begun, Answer):
-            return self._count(begun.response(), begun.outcome, begun.pair)
-        m.TTFT_SECONDS.observe(time.monotonic() - started)
-        pair = begun[0].pair
-        try:
-            if all(u.streaming for u in begun):
-                return await self._relay_merged(request, fan, begun)
-            try:
-                answers = [] if any(u.streaming for u in begun) else \
-                    [_decode_json(u.first) for u in begun]
-            except msgspec.DecodeError:
-                answers = []
-            if not answers or not all(isinstance(a, dict) for a in answers):
-                return self._count(error_response(
-                    502, "the decodes' answers to a fanned-out request do not merge",
-                    "upstream_error"), "failed", pair)
-            return self._count(web.Response(body=_encode(merge_answers(fan, answers)),
-                                            headers=JSON_HEADERS), "answered", pair)
-        finally:
-            for upstream in begun:
-                upstream.close()
-
-    async def _start_all(self, request: web.Request, fan: Plan) -> list[Upstream] | Answer:
-        """Every P/D request of ``fan`` up to its decode's first bytes (vLLM, too, checks all
-        the prompts of a batch before it answers a byte), or the one answer for them all: the
-        first prompt's rejection, as vLLM gives it, else the first failure. Requests after a
-        rejected one are cancelled at once: they cannot change the answer."""
-        tasks = [asyncio.create_task(self._pd(request, body)) for body in fan.bodies]
-        index = {task: i for i, task in enumerate(tasks)}
-        results: dict[int, Upstream | Answer] = {}
-        try:
-            pending = set(tasks)
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    if not task.cancelled():
-                        result = task.result()
-                        rejection = result.rejection() if isinstance(result, Upstream) else None
-                        results[index[task]] = rejection or result
-                first = min((i for i, r in results.items()
-                             if isinstance(r, Answer) and r.outcome == "rejected"), default=None)
-                for task in pending:
-                    if first is not None and index[task] > first:
-                        task.cancel()
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            finished = await asyncio.gather(*tasks, return_exceptions=True)
-            _close_all([*results.values(), *finished])
-            raise
-        ended = sorted((r.outcome != "rejected", i) for i, r in results.items()
-                       if isinstance(r, Answer))  # fmt: skip
-        if ended:
-            _close_all(results.values())
-            answer = results[ended[0][1]]
-            assert isinstance(answer, Answer)
-            return answer
-        return [u for _, u in sorted(results.items()) if isinstance(u, Upstream)]
-
-    async def _relay_merged(self, request: web.Request, fan: Plan, upstreams: list[Upstream]
-                            ) -> web.StreamResponse:  # fmt: skip
-        """The decodes' streams as one (batching.StreamMerge), events as they arrive."""
-        pair = upstreams[0].pair
-        merge = StreamMerge(fan)
-        out = web.StreamResponse(status=200)
-        out.content_type = SSE
-        self._settle(tally.CANCELLED, pair)
-        await out.prepare(request)
-        queue: asyncio.Queue[tuple[int, sse.Event | Exception | None]] = \
-            asyncio.Queue(maxsize=MERGE_QUEUE)
-        pumps = [asyncio.create_task(_pump(i, u, queue)) for i, u in enumerate(upstreams)]
-        outcome = "answered"
-        try:
-            live = len(pumps)
-            while live:
-                sub, item = await queue.get()
-                if item is None:
-                    live -= 1
-                elif isinstance(item, Exception):
-                    failed = upstreams[sub].pair
-                    log.warning("decode %s failed mid-answer: %s", failed.decode.engine_id, item)
-                    await out.write(_stream_error(failed, item))
-                    outcome = "stream_error"
-                    break
-                else:
-                    for data in merge.feed(sub, item):
-                        await out.write(data)
-                    if merge.failed:
-                        outcome = "stream_error"
-                        break
-            await out.write(merge.finish())
-            self._settle(outcome, pair)
-        finally:
-            for pump in pumps:
-                pump.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
         await out.write_eof()
         return out
 
@@ -659,40 +447,3 @@ class Router:
     def _done(self, engine: Engine, blocks: int = 0) -> None:
         self.balancer.done(engine, blocks)
         self._gauge(engine).dec()
-
-
-async def _pump(sub: int, upstream: Upstream,
-                queue: asyncio.Queue[tuple[int, sse.Event | Exception | None]]) -> None:
-    """Sub-stream ``sub``'s events into ``queue``, then None; its failure before its
-    ``[DONE]`` as the exception."""
-    parser = sse.Parser()
-    done = False
-    try:
-        for ev in parser.feed(upstream.first):
-            done = done or ev.data == sse.DONE
-            await queue.put((sub, ev))
-        async for chunk in upstream.rest():
-            for ev in parser.feed(chunk):
-                done = done or ev.data == sse.DONE
-                await queue.put((sub, ev))
-        rest = parser.rest()
-        if rest is not None:
-            await queue.put((sub, rest))
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        if not done:
-            await queue.put((sub, exc))
-            return
-    await queue.put((sub, None))
-
-
-def _stream_error(pair: Pair, exc: BaseException) -> bytes:
-    """The error event that ends a stream whose decode failed after the first byte."""
-    return sse.event(json.dumps(error_body(
-        f"decode {pair.decode.engine_id} failed after the first byte: "
-        f"{type(exc).__name__}: {exc}", "upstream_error", 502)).encode())
-
-
-def _close_all(results: Collection[Any]) -> None:
-    for result in results:
-        if isinstance(result, Upstream):
-            result.close()

@@ -24,8 +24,11 @@ from aiohttp import web
 
 from . import metrics as m
 from .balance import Pair, Prompt
-from .proxy import Refusal, Router, RouterSettings, UpstreamError, error_response
+from .errors import Refusal, UpstreamError
+from .proxy import Router
+from .settings import RouterSettings
 from .table import Engine, RoutingTable
+from .upstream import error_response
 
 #: llm-d's routing sidecar reads the first; the second is the name proposed for the
 #: inference extension's P/D standard.

@@ -8,7 +8,8 @@ now; every rank of the prefill engine is ``Paired`` too. A restarted prefill (ne
 failed or missing handshake, an endpoint the operator refused, unpaired or marked stale, and an
 endpoint that is gone or terminating (its pod deleted) all take the pair out. Engines are
 grouped by ``spec.engineId``: with tensor parallelism each rank publishes an endpoint, and the
-engine serves HTTP on its pod's address.
+engine serves HTTP on its pod's address. Every key and state is read through the agent's
+field tables (``kvbridge_agent.resources``), which the CRD test holds to the schema.
 """
 
 from __future__ import annotations
@@ -18,8 +19,27 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-PAIRED = "Paired"
-SUCCEEDED = "Succeeded"
+from kvbridge_agent.resources import (
+    DECODE,
+    ENDPOINT_FIELDS,
+    ENDPOINT_STATUS_FIELDS,
+    GEOMETRY,
+    GEOMETRY_FIELDS,
+    HANDSHAKE_FIELDS,
+    PEER_FIELDS,
+    PREFILL,
+    REGION_FIELDS,
+    REGIONS,
+    SPEC,
+    STATUS,
+    EndpointState,
+    HandshakeState,
+)
+
+PAIRED = EndpointState.PAIRED
+SUCCEEDED = HandshakeState.SUCCEEDED
+_S, _G, _R = ENDPOINT_FIELDS, GEOMETRY_FIELDS, REGION_FIELDS
+_ST, _P, _H = ENDPOINT_STATUS_FIELDS, PEER_FIELDS, HANDSHAKE_FIELDS
 
 
 @dataclass(frozen=True)
@@ -68,8 +88,8 @@ class RoutingTable:
 
 
 def _live(doc: Mapping[str, Any], transfer: str) -> bool:
-    meta, spec = doc.get("metadata") or {}, doc.get("spec") or {}
-    return spec.get("transferName") == transfer and not meta.get("deletionTimestamp")
+    meta, spec = doc.get("metadata") or {}, doc.get(SPEC) or {}
+    return _S.transfer.get(spec) == transfer and not meta.get("deletionTimestamp")
 
 
 def routing_table(transfer_name: str, transfer: Mapping[str, Any] | None,
@@ -82,19 +102,19 @@ def routing_table(transfer_name: str, transfer: Mapping[str, Any] | None,
     by_name = {e["metadata"]["name"]: e for e in docs}
     ranks: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for e in docs:
-        ranks[e["spec"]["engineId"]].append(e)
+        ranks[_S.engine_id.at(e[SPEC])].append(e)
     engines = {eid: _engine(eid, rs) for eid, rs in ranks.items()}
 
     def all_paired(eid: str) -> bool:
-        return all((r.get("status") or {}).get("state") == PAIRED for r in ranks[eid])
+        return all(_ST.state.get(r.get(STATUS)) == PAIRED for r in ranks[eid])
 
     pairs: dict[str, tuple[str, ...]] = {}
     for eid, engine in sorted(engines.items()):
-        if engine.role != "decode" or not all_paired(eid):
+        if engine.role != DECODE or not all_paired(eid):
             continue
         verified = _verified_prefills(ranks[eid], by_name)
         ok = tuple(sorted(p for p in verified
-                          if engines[p].role == "prefill" and all_paired(p)))  # fmt: skip
+                          if engines[p].role == PREFILL and all_paired(p)))  # fmt: skip
         if ok:
             pairs[eid] = ok
     if pairs:
@@ -103,25 +123,25 @@ def routing_table(transfer_name: str, transfer: Mapping[str, Any] | None,
 
 
 def _engine(engine_id: str, ranks: list[Mapping[str, Any]]) -> Engine:
-    first = min(ranks, key=lambda r: r["spec"].get("tpRank", 0))
-    spec = first["spec"]
-    geometry = spec.get("geometry") or {}
-    return Engine(engine_id, spec["role"], spec["sideChannel"]["host"],
-                  tuple(sorted(r["spec"].get("podName", r["metadata"]["name"]) for r in ranks)),
-                  int(spec.get("servingPort") or 0),
-                  int(geometry.get("blockSize") or 0)
-                  * int(geometry.get("physicalBlocksPerLogical") or 1),
-                  sum(_block_bytes(r["spec"].get("geometry") or {}) for r in ranks),
-                  int(geometry.get("numBlocks") or 0)
-                  // int(geometry.get("physicalBlocksPerLogical") or 1),
-                  int(spec.get("kvEventsPort") or 0))  # fmt: skip
+    first = min(ranks, key=lambda r: r[SPEC].get(_S.tp_rank.key, 0))
+    spec = first[SPEC]
+    geometry = spec.get(GEOMETRY) or {}
+    per_logical = int(_G.physical_blocks_per_logical.get(geometry) or 1)
+    return Engine(engine_id, _S.role.at(spec), _S.host.at(spec),
+                  tuple(sorted(r[SPEC].get(_S.pod_name.key, r["metadata"]["name"])
+                               for r in ranks)),
+                  int(_S.serving_port.get(spec) or 0),
+                  int(_G.block_size.get(geometry) or 0) * per_logical,
+                  sum(_block_bytes(r[SPEC].get(GEOMETRY) or {}) for r in ranks),
+                  int(_G.num_blocks.get(geometry) or 0) // per_logical,
+                  int(_S.kv_events_port.get(spec) or 0))  # fmt: skip
 
 
 def _block_bytes(geometry: Mapping[str, Any]) -> int:
     """One logical block's bytes on one rank: every region's block, times the kernel blocks
     per logical block."""
-    per_kernel_block = sum(int(r.get("blockLen") or 0) for r in geometry.get("regions") or [])
-    return per_kernel_block * int(geometry.get("physicalBlocksPerLogical") or 1)
+    per_kernel_block = sum(int(_R.block_len.get(r) or 0) for r in geometry.get(REGIONS) or [])
+    return per_kernel_block * int(_G.physical_blocks_per_logical.get(geometry) or 1)
 
 
 def _transports(pairs: Mapping[str, tuple[str, ...]],
@@ -134,10 +154,10 @@ def _transports(pairs: Mapping[str, tuple[str, ...]],
     for decode, prefills in pairs.items():
         seen: dict[str, set[str]] = defaultdict(set)
         for rank in ranks[decode]:
-            for shake in (rank.get("status") or {}).get("handshakes") or []:
-                peer = by_name.get(shake.get("peer", ""))
-                if peer is not None and shake.get("transport"):
-                    seen[peer["spec"]["engineId"]].add(shake["transport"])
+            for shake in _ST.handshakes.get(rank.get(STATUS)) or []:
+                peer = by_name.get(shake.get(_H.peer.key, ""))
+                if peer is not None and _H.transport.get(shake):
+                    seen[_S.engine_id.at(peer[SPEC])].add(_H.transport.at(shake))
         for prefill in prefills:
             if seen.get(prefill):
                 out[(decode, prefill)] = "+".join(sorted(seen[prefill]))
@@ -149,18 +169,19 @@ def _verified_prefills(decode_ranks: list[Mapping[str, Any]],
     """Prefill engines every decode rank has proven at their current epochs."""
     result: set[str] | None = None
     for rank in decode_ranks:
-        status = rank.get("status") or {}
-        shakes = {(h.get("peer"), h.get("epoch")): h.get("state")
-                  for h in status.get("handshakes") or []}  # fmt: skip
+        status = rank.get(STATUS) or {}
+        shakes = {(_H.peer.get(h), _H.epoch.get(h)): _H.state.get(h)
+                  for h in _ST.handshakes.get(status) or []}  # fmt: skip
         good: set[str] = set()
         bad: set[str] = set()
-        for peer in status.get("peers") or []:
-            target = by_name.get(peer.get("name", ""))
+        for peer in _ST.peers.get(status) or []:
+            target = by_name.get(peer.get(_P.name.key, ""))
             if target is None:
                 continue
-            engine = target["spec"]["engineId"]
-            epoch = target["spec"].get("epoch")
-            proven = peer.get("epoch") == epoch and shakes.get((peer["name"], epoch)) == SUCCEEDED
+            engine = _S.engine_id.at(target[SPEC])
+            epoch = _S.epoch.get(target[SPEC])
+            proven = (_P.epoch.get(peer) == epoch
+                      and shakes.get((_P.name.at(peer), epoch)) == SUCCEEDED)
             (good if proven else bad).add(engine)
         good -= bad
         result = good if result is None else result & good
@@ -169,12 +190,12 @@ def _verified_prefills(decode_ranks: list[Mapping[str, Any]],
 
 def _why_none(transfer: str, engines: Mapping[str, Engine],
               ranks: Mapping[str, list[Mapping[str, Any]]]) -> str:  # fmt: skip
-    decodes = [e for e in engines.values() if e.role == "decode"]
+    decodes = [e for e in engines.values() if e.role == DECODE]
     if not decodes:
         return f"no decode KVEndpoint of KVTransfer {transfer}"
-    if not any(e.role == "prefill" for e in engines.values()):
+    if not any(e.role == PREFILL for e in engines.values()):
         return f"no prefill KVEndpoint of KVTransfer {transfer}"
-    states = sorted({(r.get("status") or {}).get("state") or "Pending"
+    states = sorted({_ST.state.get(r.get(STATUS)) or EndpointState.PENDING.value
                      for d in decodes for r in ranks[d.engine_id]})  # fmt: skip
     if PAIRED not in states:
         return (f"no decode engine of KVTransfer {transfer} is paired (decode endpoints are "

@@ -12,7 +12,17 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..errors import KVBridgeError
-from ..resources import API_VERSION, ENDPOINT_KIND, ENDPOINTS, GROUP, VERSION
+from ..resources import (
+    API_VERSION,
+    ENDPOINT_FIELDS,
+    ENDPOINT_KIND,
+    ENDPOINT_STATUS_FIELDS,
+    ENDPOINTS,
+    GROUP,
+    SPEC,
+    STATUS,
+    VERSION,
+)
 from ._identity import PodIdentity
 
 PLURAL = ENDPOINTS
@@ -70,7 +80,7 @@ class EndpointPublisher:
     def next_epoch(self, proposed: int) -> int:
         """An epoch above the stored one (epochs only grow, admission enforces it)."""
         current = self.get()
-        old = int(((current or {}).get("spec") or {}).get("epoch") or 0)
+        old = int(ENDPOINT_FIELDS.epoch.get((current or {}).get(SPEC)) or 0)
         return max(int(proposed), old + 1)
 
     def publish(self, spec: Mapping[str, Any], *, attempts: int = 5) -> dict[str, Any]:
@@ -83,7 +93,7 @@ class EndpointPublisher:
             "apiVersion": API_VERSION, "kind": ENDPOINT_KIND,
             "metadata": {"name": self.name, "namespace": ns, "labels": self.labels,
                          "ownerReferences": [self.pod.owner_reference()]},
-            "spec": dict(spec),
+            SPEC: dict(spec),
         }
         last: Exception | None = None
         for _ in range(max(1, attempts)):
@@ -114,7 +124,8 @@ class EndpointPublisher:
         try:
             self.api.patch_namespaced_custom_object_status(
                 GROUP, VERSION, self.pod.namespace, PLURAL, self.name,
-                {"status": {"handshakes": list(handshakes)}}, _request_timeout=self.timeout_s)
+                {STATUS: {ENDPOINT_STATUS_FIELDS.handshakes.key: list(handshakes)}},
+                _request_timeout=self.timeout_s)
         except ApiException as exc:
             raise PublishError(f"reporting handshakes of KVEndpoint {self.pod.namespace}/"
                                f"{self.name}: {_reason(exc)}") from exc

@@ -21,6 +21,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import metrics
+from ..resources import (
+    ENDPOINT_FIELDS,
+    ENDPOINT_STATUS_FIELDS,
+    HANDSHAKE_FIELDS,
+    SPEC,
+    STATUS,
+    HandshakeState,
+)
 from ._document import endpoint_spec
 from ._publisher import EndpointPublisher, PublishError
 
@@ -112,20 +120,21 @@ class EndpointSync:
     def step(self) -> None:
         """One read-handshake-report round (also callable directly in tests)."""
         obj = self.publisher.get()
-        if obj is None or (obj.get("spec") or {}) != self.spec:
-            if obj is not None and int((obj.get("spec") or {}).get("epoch") or 0) > \
-                    int(self.spec["epoch"]):
+        epoch = ENDPOINT_FIELDS.epoch
+        if obj is None or (obj.get(SPEC) or {}) != self.spec:
+            if obj is not None and int(epoch.get(obj.get(SPEC)) or 0) > int(epoch.at(self.spec)):
                 log.warning("KVEndpoint %s: a newer epoch %s was published by someone else; "
                             "this agent (epoch %s) is stale", self.publisher.name,
-                            obj["spec"]["epoch"], self.spec["epoch"])
+                            epoch.at(obj[SPEC]), epoch.at(self.spec))
                 self.service.set_peers([])
                 return
             log.info("KVEndpoint %s: (re)publishing spec", self.publisher.name)
             obj = self.publisher.publish(self.spec)
-        status = obj.get("status") or {}
-        if int(status.get("observedEpoch", -1)) != int(self.spec["epoch"]):
+        status = obj.get(STATUS) or {}
+        own = ENDPOINT_STATUS_FIELDS
+        if int(status.get(own.observed_epoch.key, -1)) != int(epoch.at(self.spec)):
             return   # the operator has not planned this epoch yet
-        peers = list(status.get("peers") or [])
+        peers = list(own.peers.get(status) or [])
         now = time.monotonic()
         failed = any(not r.ok for r in self.service.reports())
         if peers == self._last_peers and not (failed and now >= self._retry_at):
@@ -145,9 +154,11 @@ class EndpointSync:
 
     def _report(self, status: Mapping[str, Any]) -> None:
         reports = self.service.reports()
-        stored = status.get("handshakes") or []
-        key = [(r.peer, r.epoch, r.ok, r.to_status().get("message", "")) for r in reports]
-        have = [(h.get("peer"), h.get("epoch"), h.get("state") == "Succeeded",
-                 h.get("message", "")) for h in stored]
+        stored = ENDPOINT_STATUS_FIELDS.handshakes.get(status) or []
+        f = HANDSHAKE_FIELDS
+        key = [(r.peer, r.epoch, r.ok, r.to_status().get(f.message.key, "")) for r in reports]
+        have = [(h.get(f.peer.key), h.get(f.epoch.key),
+                 h.get(f.state.key) == HandshakeState.SUCCEEDED, h.get(f.message.key, ""))
+                for h in stored]
         if key != have:
             self.publisher.report([r.to_status() for r in reports])

@@ -1,4 +1,5 @@
-"""The KVEndpoint ``spec`` as one table of fields. Pure.
+"""The KVEndpoint ``spec`` as one table of fields, and the table type the status tables
+(:mod:`._status`) share. Pure.
 
 Each :class:`EndpointField` says where a value sits in the document, what the parsed record
 calls it, its type, whether it may be left out, and which wire field (a
@@ -14,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from ..rules import MEM_TYPES, MODES
@@ -23,9 +25,12 @@ __all__ = [
     "ENDPOINT_FIELDS",
     "GEOMETRY",
     "GEOMETRY_FIELDS",
+    "NO_FIELDS",
     "REGIONS",
     "REGION_FIELDS",
     "EndpointField",
+    "FieldTable",
+    "document",
     "endpoint_document",
     "endpoint_path",
     "geometry_aliases",
@@ -36,20 +41,43 @@ __all__ = [
 GEOMETRY, REGIONS = "geometry", "regions"
 
 
+class FieldTable(tuple["EndpointField", ...]):
+    """A tuple of fields that also names each one by its ``attr``
+    (``HANDSHAKE_FIELDS.state.key``), so readers and writers spell no key by hand."""
+
+    def __new__(cls, fields: tuple[EndpointField, ...]) -> FieldTable:
+        table = super().__new__(cls, fields)
+        attrs = [f.attr for f in fields]
+        if len(set(attrs)) != len(attrs) or any(hasattr(tuple, a) for a in attrs):
+            raise ValueError(f"field table with duplicate or reserved attributes: {attrs}")
+        table.__dict__.update((f.attr, f) for f in fields)  # plain attribute look-ups
+        return table
+
+    def __getattr__(self, attr: str) -> EndpointField:
+        """Only reached for an attribute no field has (the fields are instance attributes)."""
+        raise AttributeError(f"no field with attribute {attr!r}")
+
+
+#: The ``fields`` of a field that nests none.
+NO_FIELDS = FieldTable(())
+
+
 @dataclass(frozen=True)
 class EndpointField:
-    """One KVEndpoint field.
+    """One field of a KVEndpoint or KVTransfer (``spec`` or ``status``).
 
     Attributes:
-        key: its place under its part (``spec``, ``spec.geometry`` or a region), dotted
-            when nested (``sideChannel.host``).
+        key: its place under its part (``spec``, ``spec.geometry``, a region, ``status``, a
+            ``status.peers`` item, ...), dotted when nested (``sideChannel.host``).
         attr: the attribute of the parsed record (and of the values the document takes).
         kind: its JSON type.
         required: the parser refuses a document without it; otherwise ``default`` is used.
         default: the value of a field left out.
         choices: the values allowed (an enum).
         wire: the wire field it carries, if any.
-        omit_empty: the agent leaves the field out when it has no value (None, "" or 0).
+        omit_empty: the writer leaves the field out when it has no value (None, "" or 0).
+        fields: for an object (``dict``) or a list of objects (``list``), the fields of the
+            object or of each item.
     """
 
     key: str
@@ -60,14 +88,32 @@ class EndpointField:
     choices: tuple[str, ...] = ()
     wire: str = ""
     omit_empty: bool = False
+    fields: FieldTable = NO_FIELDS
 
-    @property
+    # Cached: writers and readers ask for them per item of every status they touch.
+    @cached_property
     def parents(self) -> tuple[str, ...]:
         return tuple(self.key.split(".")[:-1])
 
-    @property
+    @cached_property
     def name(self) -> str:
         return self.key.rsplit(".", 1)[-1]
+
+    def get(self, doc: Mapping[str, Any] | None, default: Any = None) -> Any:
+        """Its value in ``doc`` (through its parents), or ``default`` where it or a parent is
+        missing or null: how readers of documents others wrote look at them."""
+        part: Any = doc
+        for key in (*self.parents, self.name):
+            part = part.get(key) if isinstance(part, Mapping) else None
+            if part is None:
+                return default
+        return part
+
+    def at(self, doc: Mapping[str, Any]) -> Any:
+        """Its value in ``doc``; ``KeyError`` where it is missing (a field the reader needs)."""
+        for key in self.parents:
+            doc = doc[key]
+        return doc[self.name]
 
 
 def _f(key: str, attr: str, kind: type, *, default: Any = ..., **kw: Any) -> EndpointField:
@@ -77,7 +123,7 @@ def _f(key: str, attr: str, kind: type, *, default: Any = ..., **kw: Any) -> End
 
 
 #: ``spec``, in the order the parser checks it.
-ENDPOINT_FIELDS: tuple[EndpointField, ...] = (
+ENDPOINT_FIELDS = FieldTable((
     _f("role", "role", str, choices=ROLES),
     _f("transferName", "transfer", str),
     _f("engineId", "engine_id", str, wire="engine_id"),
@@ -99,10 +145,10 @@ ENDPOINT_FIELDS: tuple[EndpointField, ...] = (
     #: the engine's KV-event publisher, which cache-aware routers subscribe to
     #: (vLLM --kv-events-config, or KVBRIDGE_KV_EVENTS_PORT)
     _f("kvEventsPort", "kv_events_port", int, default=0, omit_empty=True),
-)
+))
 
 #: ``spec.geometry`` (its ``regions`` list aside).
-GEOMETRY_FIELDS: tuple[EndpointField, ...] = (
+GEOMETRY_FIELDS = FieldTable((
     _f("blockSize", "block_size", int, wire="block_size"),
     _f("physicalBlocksPerLogical", "physical_blocks_per_logical", int, default=1,
        wire="physical_blocks_per_logical_kv_block"),
@@ -114,17 +160,17 @@ GEOMETRY_FIELDS: tuple[EndpointField, ...] = (
        omit_empty=True),
     _f("dcpSize", "dcp_size", int, default=1, wire="dcp_size"),
     _f("pcpSize", "pcp_size", int, default=1, wire="pcp_size"),
-)
+))
 
 #: One item of ``spec.geometry.regions``; ``wire`` is the per-region list it is part of.
-REGION_FIELDS: tuple[EndpointField, ...] = (
+REGION_FIELDS = FieldTable((
     _f("name", "name", str, wire="region_names"),
     _f("numBlocks", "num_blocks", int, wire="region_num_blocks"),
     _f("groupId", "group_id", int, wire="region_group_ids"),
     _f("memType", "mem_type", str, choices=MEM_TYPES, wire="region_mem_types"),
     _f("blockLen", "block_len", int, wire="block_lens"),
     _f("blockStride", "block_stride", int, wire="block_strides"),
-)
+))
 
 
 # -- the document -------------------------------------------------------------------------------
@@ -137,6 +183,23 @@ def _fill(out: dict[str, Any], table: Sequence[EndpointField], values: Mapping[s
           ) -> dict[str, Any]:
     for f in table:
         value = values[f.attr] if f.required or not f.omit_empty else values.get(f.attr)
+        if f.omit_empty and _empty(value):
+            continue
+        part = out
+        for parent in f.parents:
+            part = part.setdefault(parent, {})
+        part[f.name] = value
+    return out
+
+
+def document(table: Sequence[EndpointField], values: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a document ``table`` describes, from values keyed by ``attr``: a field
+    missing from ``values`` is left out, and so is an empty one with ``omit_empty``."""
+    out: dict[str, Any] = {}
+    for f in table:
+        if f.attr not in values:
+            continue
+        value = values[f.attr]
         if f.omit_empty and _empty(value):
             continue
         part = out

@@ -12,7 +12,16 @@ from typing import Any, NamedTuple
 from .. import rules
 from ..errors import KVBridgeError
 from ..nixl._producer import DEFAULT_LEASE_S
-from ..resources import DECODE, HANDSHAKE_TIMEOUT_S, PREFILL, TRANSFER_TIMEOUT_S
+from ..resources import (
+    DECODE,
+    HANDSHAKE_FIELDS,
+    HANDSHAKE_TIMEOUT_S,
+    PEER_FIELDS,
+    PREFILL,
+    TRANSFER_TIMEOUT_S,
+    HandshakeState,
+    document,
+)
 
 __all__ = [
     "DECODE",
@@ -193,11 +202,12 @@ class PeerRef:
 
     @classmethod
     def from_status(cls, item: Mapping[str, Any]) -> PeerRef:
+        f = PEER_FIELDS
         return cls(
-            name=str(item["name"]), engine_id=str(item["engineId"]),
-            host=str(item.get("host") or ""), port=int(item.get("port") or 0),
-            tp_rank=int(item.get("tpRank", 0)), tp_size=int(item.get("tpSize") or 1),
-            epoch=int(item.get("epoch", 0)), role=str(item.get("role") or ""))
+            name=str(f.name.at(item)), engine_id=str(f.engine_id.at(item)),
+            host=str(f.host.get(item) or ""), port=int(f.port.get(item) or 0),
+            tp_rank=int(item.get(f.tp_rank.key, 0)), tp_size=int(f.tp_size.get(item) or 1),
+            epoch=int(item.get(f.epoch.key, 0)), role=str(f.role.get(item) or ""))
 
     @property
     def key(self) -> tuple[str, int]:
@@ -227,17 +237,16 @@ class PeerReport:
     transport_detail: str = ""
 
     def to_status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "peer": self.peer, "engineId": self.engine_id, "epoch": self.epoch,
-            "state": "Succeeded" if self.ok else "Failed",
+        values: dict[str, Any] = {
+            "peer": self.peer, "engine_id": self.engine_id, "epoch": self.epoch,
+            "state": str(HandshakeState.SUCCEEDED if self.ok else HandshakeState.FAILED),
             "time": self.time or utc_timestamp(),
+            "message": self.message[:HANDSHAKE_MESSAGE_MAX],
         }
-        if self.message:
-            out["message"] = self.message[:HANDSHAKE_MESSAGE_MAX]
         if self.transport:
-            out["transport"] = self.transport[:TRANSPORT_MAX]
-            out["transportDetail"] = self.transport_detail[:HANDSHAKE_MESSAGE_MAX]
-        return out
+            values.update(transport=self.transport[:TRANSPORT_MAX],
+                          transport_detail=self.transport_detail[:HANDSHAKE_MESSAGE_MAX])
+        return document(HANDSHAKE_FIELDS, values)
 
 
 class TransferResult(NamedTuple):
