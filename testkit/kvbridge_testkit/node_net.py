@@ -14,10 +14,7 @@ import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kvbridge_testkit.node import RealNode
+from typing import Protocol
 
 LINK_PREFIX = 30
 #: The pod network of every node: node i takes 10.88.i.0/24 of it.
@@ -129,7 +126,15 @@ def host_sysctls() -> dict[str, str]:
     return out
 
 
-def connect(a: RealNode, b: RealNode) -> None:
+class Networked(Protocol):
+    """What linking needs of a node (a RealNode): its index and network namespace. A protocol,
+    so this module never imports the node module that builds on it."""
+
+    index: int
+    net: NodeNet
+
+
+def connect(a: Networked, b: Networked) -> None:
     """A direct link between two nodes' network namespaces and a route to each other's pods:
     one pod network over both nodes. The host does not forward (its ``ip_forward`` stays as it
     is), so node-to-node traffic never passes through it; the link goes with either namespace."""
