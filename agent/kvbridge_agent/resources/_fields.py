@@ -183,13 +183,18 @@ def _fill(out: dict[str, Any], table: Sequence[EndpointField], values: Mapping[s
           ) -> dict[str, Any]:
     for f in table:
         value = values[f.attr] if f.required or not f.omit_empty else values.get(f.attr)
-        if f.omit_empty and _empty(value):
-            continue
-        part = out
-        for parent in f.parents:
-            part = part.setdefault(parent, {})
-        part[f.name] = value
+        _place(out, f, value)
     return out
+
+
+def _place(out: dict[str, Any], f: EndpointField, value: Any) -> None:
+    """Write one field's value at its path, leaving an empty ``omit_empty`` field out."""
+    if f.omit_empty and _empty(value):
+        return
+    part = out
+    for parent in f.parents:
+        part = part.setdefault(parent, {})
+    part[f.name] = value
 
 
 def document(table: Sequence[EndpointField], values: Mapping[str, Any]) -> dict[str, Any]:
@@ -197,15 +202,8 @@ def document(table: Sequence[EndpointField], values: Mapping[str, Any]) -> dict[
     missing from ``values`` is left out, and so is an empty one with ``omit_empty``."""
     out: dict[str, Any] = {}
     for f in table:
-        if f.attr not in values:
-            continue
-        value = values[f.attr]
-        if f.omit_empty and _empty(value):
-            continue
-        part = out
-        for parent in f.parents:
-            part = part.setdefault(parent, {})
-        part[f.name] = value
+        if f.attr in values:
+            _place(out, f, values[f.attr])
     return out
 
 
