@@ -17,7 +17,7 @@ FINALIZER = f"{GROUP}/finalizer"
 #: Prefix of kopf's progress/diff-base annotations (``kvbridge.io/...``).
 ANNOTATION_PREFIX = GROUP
 
-#: KVEndpoint ``status.peers`` maxItems in the CRD (see README "Limits").
+#: KVEndpoint ``status.peers`` maxItems in the CRD (docs/limits.md, "Object sizes").
 MAX_PEERS = 128
 
 

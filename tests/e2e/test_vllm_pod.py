@@ -54,7 +54,7 @@ def _engine_pods(cluster: Any, api: Api, ns: str, tmp_path: Path, *, decode_tp: 
             model, tmp_path, connector="kvbridge", kv_role="kv_both",
             engine_id=pod.engine_id, name=pod.name, tp_size=tp,
             # a TP-2 engine's spin-waits can stall this 2-core machine for up to ~30 s
-            # (README, Known limitations): deadlines that outlast it, nothing checked relaxed
+            # (docs/limits.md, Known limitations): deadlines that outlast it, nothing relaxed
             extra_config={"kvbridge_transfer_timeout_s": 120, "kv_lease_duration": 150}
             if decode_tp > 1 else None,
             env={"POD_NAME": pod.name, "POD_UID": pod.uid, "POD_NAMESPACE": ns,

@@ -235,7 +235,7 @@ def test_lease_expires_without_notification_and_heartbeats_extend(peer):
 
 
 def test_a_first_read_from_a_frozen_prefill_waits_for_it_without_blocking_the_caller():
-    """A prefill starved of CPU (the 2-core machines' TP "hang", README: Known limitations).
+    """A prefill starved of CPU (the 2-core machines' TP "hang", docs/limits.md: Known limitations).
     With the default transports, the decode's first READ needs the prefill's process to answer
     UCX's wire-up, so it cannot complete while the prefill does not run (cma may already have
     copied the bytes). Loading the prefill and posting the READ return without waiting for

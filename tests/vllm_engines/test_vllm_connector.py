@@ -50,7 +50,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.nixl, pytest.mark.vllm]
 def engines(request: pytest.FixtureRequest, vllm_py: str, engine_logs: Path,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The five engines of one model; kvbridge engines run as ``kv_both`` on the hybrid
-    model (the README's one-flag configuration) and as producer/consumer on the Llama."""
+    model (docs/connector.md's one-flag configuration) and as producer/consumer on the Llama."""
     kind = request.param
     model = write_model(tmp_path_factory.mktemp(kind) / "model", kind=kind, seed=3)
     kvb_p, kvb_d = ("kv_both", "kv_both") if kind == "hybrid" else ("kv_producer",

@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.nixl, pytest.mark.vllm]
 
 KV_HEADS = 2          # the test model's num_key_value_heads
 #: Deadlines long enough to outlast the CPU stalls a TP-2 engine's spin-waits cause on a
-#: 2-core machine (README, Known limitations: up to 30 s seen, the whole machine starved):
+#: 2-core machine (docs/limits.md, Known limitations: up to 30 s seen, the whole machine starved):
 #: a late read still has to deliver the right bytes and tokens, nothing checked is relaxed.
 #: vLLM's own handshake timeout (5 s) is fixed in its code.
 STALL_TOLERANT = {
@@ -98,7 +98,7 @@ def warm_pair(prefill: EngineProcess, decode: EngineProcess, attempts: int = 8,
               pause_s: float = 3.0) -> None:  # fmt: skip
     """One P/D request, repeated until it is received, before the checked ones: the pair's
     first READ needs the prefill to answer UCX's wire-up, which a CPU stall on this 2-core
-    machine can delay past vLLM's fixed 5 s handshake timeout (README, Known limitations).
+    machine can delay past vLLM's fixed 5 s handshake timeout (docs/limits.md, Known limitations).
     Once a READ has completed, later ones need nothing of the prefill's process. A pause
     between attempts lets a stall pass (one CI run saw 4 attempts in a row fail in vLLM's
     own TP-2 decode)."""
