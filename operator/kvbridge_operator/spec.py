@@ -134,6 +134,11 @@ class Endpoint:
     pod_uid: str = ""
     serving_port: int = 0
     kv_events_port: int = 0
+    model_name: str = ""
+    model_revision: str = ""
+    model_fingerprint: str = ""
+    vllm_version: str = ""
+    kvbridge_version: str = ""
     handshakes: tuple[Handshake, ...] = ()
     # Compared (not hashed): kopf's index keeps the stored value when the new one compares
     # equal, so a status-only change (the peers sticky pairing reads, the resourceVersion an
@@ -174,6 +179,8 @@ class Endpoint:
 def _field(d: Mapping[str, Any], f: EndpointField, path: str) -> Any:
     """Read one table field of ``d`` (its parents first), checked as the table says."""
     for parent in f.parents:
+        if not f.required and d.get(parent) is None:
+            return f.default  # an optional object (spec.model) left out: its fields' defaults
         d = _get(d, parent, path, Mapping)
         path = f"{path}.{parent}"
     return _leaf(d, f, path)

@@ -17,6 +17,9 @@ SPEC = {
     "node_name": "n", "host": "10.0.0.1", "port": 5600, "tp_rank": 1, "tp_size": 2,
     "dp_index": 0, "protocol_version": 11, "compatibility_hash": "ab" * 32, "mode": "pull",
     "epoch": 7, "serving_port": 8000, "kv_events_port": 5557,
+    "model_name": "tiny-llama", "model_revision": "3f2a9c1",
+    "model_fingerprint": "sampled-v1:" + "cd" * 32, "vllm_version": "0.30.0",
+    "kvbridge_version": "0.1.0",
 }
 GEOMETRY = {
     "block_size": 16, "physical_blocks_per_logical": 1, "num_blocks": 64,
@@ -45,6 +48,18 @@ def test_empty_optional_fields_are_left_out() -> None:
     assert not {"podUID", "nodeName", "servingPort"} & set(doc)
     ep = parse_endpoint({"spec": doc})
     assert (ep.pod_uid, ep.node_name, ep.serving_port) == ("", "", 0)
+
+
+def test_an_endpoint_without_model_identity_parses_with_empty_identity() -> None:
+    """Agents older than spec.model publish none: their endpoints still parse (and pair only
+    with endpoints that state no fingerprint either)."""
+    doc = endpoint_document({k: v for k, v in SPEC.items()
+                             if not k.startswith(("model_", "vllm_", "kvbridge_"))},
+                            GEOMETRY, REGIONS)
+    assert "model" not in doc and "versions" not in doc
+    ep = parse_endpoint({"spec": doc})
+    assert (ep.model_name, ep.model_revision, ep.model_fingerprint) == ("", "", "")
+    assert (ep.vllm_version, ep.kvbridge_version) == ("", "")
 
 
 def test_wire_fields_name_their_kvendpoint_paths() -> None:

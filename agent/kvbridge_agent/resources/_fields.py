@@ -145,6 +145,12 @@ ENDPOINT_FIELDS = FieldTable((
     #: the engine's KV-event publisher, which cache-aware routers subscribe to
     #: (vLLM --kv-events-config, or KVBRIDGE_KV_EVENTS_PORT)
     _f("kvEventsPort", "kv_events_port", int, default=0, omit_empty=True),
+    #: what the engine serves: endpoints pair only within one model fingerprint (and revision)
+    _f("model.name", "model_name", str, default="", omit_empty=True),
+    _f("model.revision", "model_revision", str, default="", omit_empty=True),
+    _f("model.fingerprint", "model_fingerprint", str, default="", omit_empty=True),
+    _f("versions.vllm", "vllm_version", str, default="", omit_empty=True),
+    _f("versions.kvbridge", "kvbridge_version", str, default="", omit_empty=True),
 ))
 
 #: ``spec.geometry`` (its ``regions`` list aside).
