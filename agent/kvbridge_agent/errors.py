@@ -14,6 +14,7 @@ operator's ``OperatorError`` and the router's ``RouterError`` hang here too)::
     │   ├── MetadataDecodeError
     │   ├── TimestampDecodeError
     │   ├── HashMismatchError
+    │   ├── ConnectorVersionError
     │   ├── EngineIdMismatchError
     │   └── IncompatibleGeometryError
     ├── GeometryError (ValueError)                      geometry

@@ -14,7 +14,9 @@ PROTOCOL_API = {
     "MEMORY_TYPES",
     "NIXL_CONNECTOR_VERSION",
     "SHARED_REGION_GROUP_ID",
+    "SUPPORTED_CONNECTOR_VERSIONS",
     "CompatibilityFactors",
+    "ConnectorVersionError",
     "EffectiveRegions",
     "EngineGeometry",
     "EngineIdMismatchError",
@@ -26,6 +28,7 @@ PROTOCOL_API = {
     "NixlAgentMetadata",
     "NixlHandshakePayload",
     "PayloadDecodeError",
+    "PeerVersion",
     "ProtocolError",
     "RegionGeometry",
     "RequestDecodeError",
@@ -47,6 +50,7 @@ PROTOCOL_API = {
     "encode_request",
     "encode_timestamp",
     "make_payload",
+    "read_peer_version",
     "validate_remote",
 }
 SIDECHANNEL_API = {

@@ -10,6 +10,8 @@ so the operator validates KVEndpoints with exactly the rules the agent's handsha
 - Validation (§1.6, §10.11): :class:`EngineGeometry`, :func:`validate_remote` returning a
   :class:`Verdict` of :class:`Incompatibility` items; :func:`effective_regions` applies the
   v10 fallbacks.
+- Version (§1.4, §1.7): :func:`read_peer_version` reads a peer's connector version from its
+  metadata keys before the hash; :data:`SUPPORTED_CONNECTOR_VERSIONS`.
 - Errors: every failure is a :class:`ProtocolError` (``ValueError``).
 
 spec §N: sections of docs/protocol.md.
@@ -20,6 +22,7 @@ from ._compat import CompatibilityFactors, check_compatibility, compatibility_ha
 from ._consistency import MEMORY_TYPES, check_metadata
 from ._engine import EffectiveRegions, EngineGeometry, RegionGeometry, effective_regions
 from ._errors import (
+    ConnectorVersionError,
     EngineIdMismatchError,
     HashMismatchError,
     MetadataDecodeError,
@@ -36,6 +39,11 @@ from ._verdict import (
     Rule,
     ValidationOptions,
     Verdict,
+)
+from ._version import (
+    SUPPORTED_CONNECTOR_VERSIONS,
+    PeerVersion,
+    read_peer_version,
 )
 from ._wire import (
     GET_META_MSG,
@@ -59,7 +67,9 @@ __all__ = [
     "MEMORY_TYPES",
     "NIXL_CONNECTOR_VERSION",
     "SHARED_REGION_GROUP_ID",
+    "SUPPORTED_CONNECTOR_VERSIONS",
     "CompatibilityFactors",
+    "ConnectorVersionError",
     "EffectiveRegions",
     "EngineGeometry",
     "EngineIdMismatchError",
@@ -71,6 +81,7 @@ __all__ = [
     "NixlAgentMetadata",
     "NixlHandshakePayload",
     "PayloadDecodeError",
+    "PeerVersion",
     "ProtocolError",
     "RegionGeometry",
     "RequestDecodeError",
@@ -92,5 +103,6 @@ __all__ = [
     "encode_request",
     "encode_timestamp",
     "make_payload",
+    "read_peer_version",
     "validate_remote",
 ]

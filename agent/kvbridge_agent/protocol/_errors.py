@@ -42,6 +42,23 @@ class MetadataDecodeError(ProtocolError):
         self.detail = detail
 
 
+class ConnectorVersionError(ProtocolError):
+    """The peer speaks a NIXL connector version kvbridge does not (spec §1.7); raised before
+    the hash check, so the user reads both versions instead of two opaque hashes."""
+
+    def __init__(self, peer_version: int | None, evidence: str, *, local_release: str,
+                 local_version: int, supported: tuple[int, ...]) -> None:
+        said = (f"NIXL connector version {peer_version}" if peer_version is not None
+                else "a NIXL connector version kvbridge does not know")
+        super().__init__(
+            f"peer speaks {said}; kvbridge {local_release} speaks {local_version} "
+            f"(supported: {', '.join(map(str, supported))}): {evidence}. Run both sides at a "
+            "supported version (enforce_handshake_compat=false does not lift this)")
+        self.peer_version = peer_version
+        self.local_version = local_version
+        self.supported = supported
+
+
 class TimestampDecodeError(ProtocolError):
     """The second reply frame is not a msgpack float (the server's perf counter)."""
 

@@ -22,6 +22,7 @@ from ._errors import (
     RequestDecodeError,
     TimestampDecodeError,
 )
+from ._version import check_peer_version
 
 GET_META_MSG = b"get_meta_msg"
 """First item of a side-channel request (spec §1.1)."""
@@ -128,12 +129,15 @@ def decode_handshake(
 ) -> tuple[NixlHandshakePayload, NixlAgentMetadata]:
     """Two-phase decode of a reply frame, in the order of spec §1.2.
 
-    1. outer payload (:class:`PayloadDecodeError`); 2. hash against ``local_hash`` when one is
-    given (:class:`HashMismatchError` if enforced, a logged warning otherwise); 3. inner
-    metadata (:class:`MetadataDecodeError`); 4. ``engine_id`` against ``expected_engine_id``
-    when given (:class:`EngineIdMismatchError`).
+    1. outer payload (:class:`PayloadDecodeError`); 2. the peer's connector version, read
+    leniently from the metadata keys (:class:`ConnectorVersionError` unless supported,
+    whether or not the hash is checked); 3. hash against ``local_hash`` when one is given
+    (:class:`HashMismatchError` if enforced, a logged warning otherwise); 4. inner metadata
+    (:class:`MetadataDecodeError`); 5. ``engine_id`` against ``expected_engine_id`` when given
+    (:class:`EngineIdMismatchError`).
     """
     payload = decode_payload(buf)
+    check_peer_version(payload.agent_metadata_bytes)
     if local_hash is not None:
         check_compatibility(
             local_hash, payload.compatibility_hash, enforce=enforce_handshake_compat
