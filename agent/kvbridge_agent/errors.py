@@ -45,6 +45,7 @@ operator's ``OperatorError`` and the router's ``RouterError`` hang here too)::
     ├── PodLabelsError (ValueError)                     kube
     ├── UnsupportedLayoutError (ValueError)             vllm
     ├── UnsupportedVllmSettingError (ValueError)        vllm
+    ├── UntestedVllmError (RuntimeError)                vllm
     └── CliFailure                                      cli (a command's exit code and reason)
 """
 

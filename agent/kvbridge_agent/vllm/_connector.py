@@ -5,14 +5,17 @@ is vLLM's ``NixlPullConnectorScheduler`` (request flow, ``kv_transfer_params``, 
 v11 side channel serving the payload this worker builds), so kvbridge and stock vLLM
 engines interoperate both ways; it adds only the lease deadline a prefill states and a
 decode checks (:mod:`._scheduler`, :mod:`._lease`). Unsupported settings fail here, at
-engine start-up, with the setting named. Push mode (vLLM's ``NixlPushConnector``) is not offered:
-``KVBridgePushConnector`` exists only to say so.
+engine start-up, with the setting named; so does a vLLM release the connector was not
+tested with (:mod:`._version_gate`, opt-in ``kvbridge_allow_untested_vllm``). Push mode
+(vLLM's ``NixlPushConnector``) is not offered: ``KVBridgePushConnector`` exists only to say
+so.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from vllm import __version__ as VLLM_VERSION
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlBaseConnector,
@@ -22,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConne
 
 from ._facts import UnsupportedVllmSettingError, refuse_unsupported
 from ._scheduler import KVBridgePullScheduler
+from ._version_gate import check_vllm_version
 from ._worker import KVBridgeWorker
 
 __all__ = ["KVBridgeConnector", "KVBridgePushConnector"]
@@ -31,6 +35,8 @@ class KVBridgeConnector(NixlPullConnector):
     """Pull-mode (READ) P/D connector: vLLM's scheduler side, kvbridge's worker side."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        # First: in an untested vLLM release anything below may misread the engine.
+        _check_vllm_release(vllm_config)
         # Skip NixlPullConnector.__init__: it would build vLLM's own worker (and NIXL agent).
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         refuse_unsupported(vllm_config, kv_cache_config)
@@ -47,6 +53,12 @@ class KVBridgeConnector(NixlPullConnector):
         assert isinstance(self.connector_worker, KVBridgeWorker)
         assert isinstance(self._connector_metadata, NixlConnectorMetadata)
         self.connector_worker.start_load_kv(self._connector_metadata)
+
+
+def _check_vllm_release(vllm_config: Any) -> None:
+    """Refuse an untested vLLM release unless ``kvbridge_allow_untested_vllm`` opts in."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    check_vllm_version(VLLM_VERSION, getattr(transfer, "kv_connector_extra_config", None))
 
 
 class KVBridgePushConnector(KVBridgeConnector):
