@@ -1,9 +1,9 @@
 """The ``kvbridge`` command line. Subcommands register themselves in :data:`SUBCOMMANDS`.
 
 Exit status (all subcommands): 0 success; 1 the remote is incompatible; 2 usage or input-file
-error; 3 timeout or connection failure; 4 undecodable or mismatching handshake (hash, engine id);
-5 the remote rejected the request. Failures print one line, ``kvbridge <cmd>: <reason>``, on
-stderr.
+error; 3 timeout or connection failure; 4 undecodable or mismatching handshake (connector
+version, hash, engine id); 5 the remote rejected the request. Failures print one line,
+``kvbridge <cmd>: <reason>``, on stderr.
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def _add_probe(sub: argparse._SubParsersAction) -> None:
         "with itself (per-region lists of one length, strides covering blocks, capacities,\n"
         "memory types, unique names), and optionally check it against a local geometry.",
         epilog=GEOMETRY_HELP + "\nExit status: 0 ok, 1 incompatible, 2 usage/input error, "
-        "3 timeout/unreachable, 4 decode/hash/engine-id error or broken (self-inconsistent) "
-        "metadata, 5 rejected by the remote.",
+        "3 timeout/unreachable, 4 decode/connector-version/hash/engine-id error or broken "
+        "(self-inconsistent) metadata, 5 rejected by the remote.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
