@@ -14,7 +14,13 @@ import pytest
 
 from kvbridge_agent import __version__
 from kvbridge_agent.geometry import CacheView
-from kvbridge_agent.service import AgentService, EngineInfo, HandshakeOutcome, PeerRef
+from kvbridge_agent.service import (
+    AgentService,
+    AgentSettings,
+    EngineInfo,
+    HandshakeOutcome,
+    PeerRef,
+)
 from kvbridge_agent.sidechannel import SideChannelServer
 from skew_payloads import V11, metadata_map, payload, v12_payload
 
@@ -56,19 +62,19 @@ def test_probe_refuses_an_unknown_version() -> None:
     assert "region_tiles" in out.stderr
 
 
+#: The decode agent's KV memory (its views point here); nothing is registered with NIXL.
+BUFFERS = [np.zeros(16 * 1152, np.uint8) for _ in range(2)]
+
+
 def _decode_agent(enforce_hash: bool) -> AgentService:
     """A decode agent of the vector's shape, not started: refusing happens before anything
-    touches NIXL, so only the side-channel client is opened."""
-    from kvbridge_agent.service import AgentSettings
-
-    bufs = [np.zeros(16 * 1152, np.uint8) for _ in range(2)]
+    touches NIXL, so only its side-channel client is opened (start() would load NIXL)."""
     views = [CacheView.from_range(f"model.layers.{i}.attn", b.ctypes.data, b.nbytes,
                                   group_id=0, num_blocks=16, block_len=1152, mem_type="VRAM",
                                   is_mla=True)
-             for i, b in enumerate(bufs)]
+             for i, b in enumerate(BUFFERS)]
     svc = AgentService(views, EngineInfo("decode-9", "decode", is_mla=True), V11_HASH,
                        AgentSettings(handshake_timeout_s=5.0, enforce_hash=enforce_hash))
-    svc._keep = bufs  # type: ignore[attr-defined]  # the views point into these
     svc._peers.open()
     return svc
 
@@ -76,8 +82,8 @@ def _decode_agent(enforce_hash: bool) -> AgentService:
 @pytest.mark.parametrize("enforce_hash", [True, False])
 def test_agent_peer_loading_refuses_v12(v12_server: SideChannelServer,
                                         enforce_hash: bool) -> None:
-    """With the hash check on, today's answer was a bare hash mismatch; with it off, the v12
-    peer loaded as if it spoke 11. Either way it is now refused by version."""
+    """With the hash check on, the answer used to be a bare hash mismatch; with it off, the
+    v12 metadata went on to validation as if it were 11. Either way it is refused by version."""
     svc = _decode_agent(enforce_hash)
     try:
         ref = PeerRef("p12-0", "decode-0", LOOPBACK, v12_server.port, 0, 1, None, "prefill")
