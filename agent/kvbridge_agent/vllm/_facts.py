@@ -32,7 +32,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.utils import select_common_block_size
 
-from ..errors import KVBridgeError
+from ._errors import UnsupportedVllmSettingError
 from ._events import kv_events_port
 
 __all__ = [
@@ -43,10 +43,6 @@ __all__ = [
 ]
 
 ROLE_BY_KV_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "decode"}
-
-
-class UnsupportedVllmSettingError(KVBridgeError, ValueError):
-    """A vLLM setting the kvbridge connector does not support; the message names it."""
 
 
 @dataclass(frozen=True)
