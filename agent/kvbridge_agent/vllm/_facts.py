@@ -34,6 +34,7 @@ from vllm.v1.worker.utils import select_common_block_size
 
 from ._errors import UnsupportedVllmSettingError
 from ._events import kv_events_port
+from ._model import model_digest
 
 __all__ = [
     "UnsupportedVllmSettingError",
@@ -117,6 +118,7 @@ def refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> None:
     if ktc.get_from_extra_config("bidirectional_kv_xfer", False):
         refuse("kv_connector_extra_config.bidirectional_kv_xfer", True,
                "turn-2 read-back is not implemented")
+    model_digest(dict(ktc.kv_connector_extra_config or {}))   # both roles refuse a bad one
     backends = [b for b in ktc.get_from_extra_config("backends", ["UCX"])]
     if backends != ["UCX"]:
         refuse("kv_connector_extra_config.backends", backends, "kvbridge uses UCX only")
