@@ -327,8 +327,40 @@ def _add_write_test_model(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_write_test_model)
 
 
+def _fingerprint(args: argparse.Namespace) -> int:
+    from .identity import fingerprint
+
+    try:
+        fp = fingerprint(args.directory, "full" if args.full else "sampled")
+    except OSError as exc:
+        raise CliFailure(EXIT_USAGE, f"cannot read {args.directory}: {exc}") from exc
+    if not fp.files:
+        raise CliFailure(EXIT_USAGE, f"{args.directory}: no weight, tokenizer or config file")
+    print(fp.value)
+    print(f"files: {fp.files}  bytes read: {fp.bytes_read}  seconds: {fp.seconds:.3f}")
+    return EXIT_OK
+
+
+def _add_fingerprint(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "fingerprint",
+        help="print the content fingerprint of a model directory (KVEndpoint spec.model)",
+        description="Print the fingerprint a kvbridge connector publishes for the model in\n"
+        "DIRECTORY (its weight, tokenizer and config files), then the file count, the bytes\n"
+        "read and the seconds it took. The default, sampled-v1, reads names, sizes,\n"
+        "safetensors headers and sampled chunks of every file: it misses a change confined\n"
+        "to unsampled bytes. --full (full-v1) digests every byte. Compare two pods' models\n"
+        "with it: equal fingerprints are what the operator pairs.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("directory", type=Path, help="the model directory")
+    p.add_argument("--full", action="store_true",
+                   help="digest every byte (full-v1) instead of sampling (sampled-v1)")
+    p.set_defaults(func=_fingerprint)
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_probe, _add_write_test_model]
+    _add_probe, _add_write_test_model, _add_fingerprint]
 """Each entry adds one subparser and sets ``func(args) -> int`` as its default."""
 
 

@@ -23,6 +23,10 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
     "static-peers": ({"connector": "kvbridge", "extra_config": {"kvbridge_peers": [{"host": 1}]}},
                      "kv_connector_extra_config.kvbridge_peers: expected objects with "
                      "engine_id, host, port"),
+    "model-digest": ({"connector": "kvbridge",
+                      "extra_config": {"kvbridge_model_digest": "sha1"}},
+                     "kv_connector_extra_config.kvbridge_model_digest='sha1': expected one of "
+                     "'sampled', 'full', 'off'"),
 }
 
 

@@ -9,15 +9,17 @@ from ..protocol import NIXL_CONNECTOR_VERSION
 from ..resources import endpoint_document
 
 if TYPE_CHECKING:
+    from ..identity import ModelIdentity
     from ..service import AgentService
 
 __all__ = ["endpoint_spec"]
 
 
 def endpoint_spec(service: AgentService, *, transfer: str, pod_name: str, pod_uid: str = "",
-                  node_name: str = "", serving_port: int = 0, kv_events_port: int = 0
-                  ) -> dict[str, Any]:  # fmt: skip
-    """The KVEndpoint ``spec`` for ``service``'s registration (a started agent)."""
+                  node_name: str = "", serving_port: int = 0, kv_events_port: int = 0,
+                  identity: ModelIdentity | None = None) -> dict[str, Any]:
+    """The KVEndpoint ``spec`` for ``service``'s registration (a started agent), with the
+    model it serves (``spec.model``, ``spec.versions``) when ``identity`` is given."""
     assert service.metadata is not None, "start() first"
     e, m = service.engine, service.metadata
     regions = [
@@ -41,4 +43,6 @@ def endpoint_spec(service: AgentService, *, transfer: str, pod_name: str, pod_ui
         "compatibility_hash": service.hash, "mode": e.mode, "epoch": service.epoch,
         "serving_port": serving_port, "kv_events_port": kv_events_port,
     }
+    if identity is not None:
+        spec.update(identity.fields())
     return endpoint_document(spec, geometry, regions)

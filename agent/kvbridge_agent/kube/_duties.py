@@ -9,11 +9,14 @@ process ends; :meth:`PodDuties.stop` ends the sync (and with it the agent's ``in
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import metrics
 from ._publisher import EndpointPublisher
 from ._sync import EndpointSync
+
+if TYPE_CHECKING:
+    from ..identity import ModelIdentity
 
 __all__ = ["PodDuties"]
 
@@ -31,9 +34,11 @@ class PodDuties:
     @classmethod
     def start(cls, service: Any, *, metrics_port: int | None = None,
               metrics_addr: str = "0.0.0.0", publisher: EndpointPublisher | None = None,
-              transfer: str = "", sync_interval_s: float = 1.0) -> PodDuties:
+              transfer: str = "", sync_interval_s: float = 1.0,
+              identity: ModelIdentity | None = None) -> PodDuties:
         """Serve metrics on ``metrics_port`` (None: none, 0: a free port) and, given a
-        ``publisher``, publish ``service``'s KVEndpoint for ``transfer`` and follow it.
+        ``publisher``, publish ``service``'s KVEndpoint for ``transfer`` (with the model
+        ``identity``, when given) and follow it.
         On failure whatever started is stopped again; ``service`` is the caller's."""
         duties = cls()
         try:
@@ -42,7 +47,8 @@ class PodDuties:
                 log.info("kvbridge agent metrics on port %d", duties.metrics_port)
             if publisher is not None:
                 duties.sync = EndpointSync(service, publisher, transfer,
-                                           interval_s=sync_interval_s).start()
+                                           interval_s=sync_interval_s,
+                                           identity=identity).start()
         except BaseException:
             duties.stop()
             raise

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import metrics
 from ..resources import (
@@ -31,6 +31,9 @@ from ..resources import (
 )
 from ._document import endpoint_spec
 from ._publisher import EndpointPublisher, PublishError
+
+if TYPE_CHECKING:
+    from ..identity import ModelIdentity
 
 log = logging.getLogger("kvbridge.agent.kube")
 
@@ -45,17 +48,21 @@ class EndpointSync:
         interval_s: period of the status read.
         retry_max_s: cap of the backoff between retries of failed handshakes.
         on_change: called with the reports after every handshake round (tests, the demo).
+        identity: the model the engine serves, published in ``spec.model`` and
+            ``spec.versions`` (None: those are left out).
     """
 
     def __init__(self, service: Any, publisher: EndpointPublisher, transfer: str, *,
                  interval_s: float = 1.0, retry_max_s: float = 10.0,
-                 on_change: Callable[[list[Any]], None] | None = None) -> None:
+                 on_change: Callable[[list[Any]], None] | None = None,
+                 identity: ModelIdentity | None = None) -> None:
         self.service = service
         self.publisher = publisher
         self.transfer = transfer
         self.interval_s = float(interval_s)
         self.retry_max_s = float(retry_max_s)
         self.on_change = on_change
+        self.identity = identity
         self.spec: dict[str, Any] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -77,7 +84,7 @@ class EndpointSync:
         self.spec = endpoint_spec(
             self.service, transfer=self.transfer, pod_name=pod.name, pod_uid=pod.uid,
             node_name=pod.node_name, serving_port=pod.serving_port,
-            kv_events_port=pod.kv_events_port)
+            kv_events_port=pod.kv_events_port, identity=self.identity)
         published = self.publisher.publish(self.spec)
         metrics.set_info(*self._info())
         return published

@@ -32,8 +32,9 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.utils import select_common_block_size
 
-from ..errors import KVBridgeError
+from ._errors import UnsupportedVllmSettingError
 from ._events import kv_events_port
+from ._model import model_digest
 
 __all__ = [
     "UnsupportedVllmSettingError",
@@ -43,10 +44,6 @@ __all__ = [
 ]
 
 ROLE_BY_KV_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "decode"}
-
-
-class UnsupportedVllmSettingError(KVBridgeError, ValueError):
-    """A vLLM setting the kvbridge connector does not support; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +118,7 @@ def refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> None:
     if ktc.get_from_extra_config("bidirectional_kv_xfer", False):
         refuse("kv_connector_extra_config.bidirectional_kv_xfer", True,
                "turn-2 read-back is not implemented")
+    model_digest(dict(ktc.kv_connector_extra_config or {}))   # both roles refuse a bad one
     backends = [b for b in ktc.get_from_extra_config("backends", ["UCX"])]
     if backends != ["UCX"]:
         refuse("kv_connector_extra_config.backends", backends, "kvbridge uses UCX only")

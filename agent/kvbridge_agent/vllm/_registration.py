@@ -33,6 +33,7 @@ from ..protocol import CompatibilityFactors
 from ..service import AgentService, AgentSettings, EngineInfo
 
 if TYPE_CHECKING:
+    from ..identity import ModelIdentity
     from ..kube import EndpointSync, PodDuties
 
 __all__ = ["StartedAgent", "VllmRegistration", "build_views", "start_agent"]
@@ -156,7 +157,8 @@ class StartedAgent:
 
 def start_agent(reg: VllmRegistration, *, transfer: str | None = None,
                 settings: AgentSettings | None = None, publish: bool | None = None,
-                sync_interval_s: float = 1.0, metrics_port: int | None = None) -> StartedAgent:
+                sync_interval_s: float = 1.0, metrics_port: int | None = None,
+                identity: ModelIdentity | None = None) -> StartedAgent:
     """Register the caches, start the side channel and (in a pod) publish the KVEndpoint.
 
     The side channel binds ``$VLLM_NIXL_SIDE_CHANNEL_HOST`` (default ``0.0.0.0``) on
@@ -164,6 +166,10 @@ def start_agent(reg: VllmRegistration, *, transfer: str | None = None,
     defaults to "the downward API variables are set"; ``transfer`` defaults to
     ``$KVBRIDGE_TRANSFER``. Prometheus metrics are served on ``metrics_port`` (default
     ``$KVBRIDGE_AGENT_METRICS_PORT``; 0 picks a free port; unset serves none).
+    ``identity`` (:func:`kvbridge_agent.identity.identify_model`) is the model the engine
+    serves; the KVEndpoint states it, and the operator pairs only endpoints with equal
+    fingerprints. Without one the endpoint has none, and pairs only with others that have
+    none.
     """
     from ..kube import EndpointPublisher, PodDuties, PodIdentity, api_client
 
@@ -184,7 +190,7 @@ def start_agent(reg: VllmRegistration, *, transfer: str | None = None,
         publisher = EndpointPublisher(api_client(), pod) if pod is not None else None
         duties = PodDuties.start(service, metrics_port=metrics_port, publisher=publisher,
                                  transfer=(transfer or env[names.TRANSFER]) if publish else "",
-                                 sync_interval_s=sync_interval_s)
+                                 sync_interval_s=sync_interval_s, identity=identity)
     except BaseException:
         service.close()
         raise

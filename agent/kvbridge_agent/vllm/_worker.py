@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import vllm
 from vllm import envs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
@@ -54,6 +55,7 @@ from ._lease import (
     decide_read,
     read_deadline,
 )
+from ._model import vllm_model_identity
 from ._scheduler import LEASE_EXTENSIONS_ATTR
 
 if TYPE_CHECKING:
@@ -143,6 +145,8 @@ class KVBridgeWorker:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.static_peers = [_static_peer(p) for p in extra.get("kvbridge_peers") or ()]
+        #: what the KVEndpoint says this engine serves (kvbridge_model_digest)
+        self.identity = vllm_model_identity(vllm_config, extra, vllm.__version__)
 
     # -- registration ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -234,7 +238,8 @@ class KVBridgeWorker:
             port += self.facts.tp_rank
         self.duties = PodDuties.start(
             self.service, metrics_port=port, publisher=publisher,
-            transfer=transfer, sync_interval_s=float(env.get(names.SYNC_INTERVAL_S, "1.0")))
+            transfer=transfer, sync_interval_s=float(env.get(names.SYNC_INTERVAL_S, "1.0")),
+            identity=self.identity)
 
     # -- the decode side: pulls ---------------------------------------------------------------
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
