@@ -113,6 +113,8 @@ class Plan:
     conditions: tuple[DesiredCondition, ...]
     summary: str
     fallbacks: tuple[TransportFallback, ...] = ()  # sorted by (endpoint, peer)
+    #: per model identity (revisions.RevisionCount), sorted by label
+    revisions: tuple[Any, ...] = ()
 
     def endpoint(self, name: str) -> EndpointPlan:
         return next(e for e in self.endpoints if e.name == name)
