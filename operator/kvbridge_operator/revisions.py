@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kvbridge_agent.resources import ConditionStatus as CS
 from kvbridge_agent.resources import ConditionType as CT
-from kvbridge_agent.resources import RevisionReason, revision_label
+from kvbridge_agent.resources import RevisionReason, revision_label, same_model
 
 from .config import DECODE, PREFILL
 from .model import DesiredCondition, Pair
@@ -61,15 +61,17 @@ class IdentityMismatch:
 def identity_mismatch(decode: Identity, prefill: Identity) -> IdentityMismatch | None:
     """None when the two serve the same weights (module docstring); else the field that
     differs, with both values."""
+    if same_model(decode.fingerprint, decode.revision, prefill.fingerprint, prefill.revision):
+        return None
     for rule, field, d, p in (
         (FINGERPRINT_RULE, FINGERPRINT_FIELD, decode.fingerprint, prefill.fingerprint),
         (REVISION_RULE, REVISION_FIELD, decode.revision, prefill.revision),
     ):
-        if d != p and (rule == FINGERPRINT_RULE or (d and p)):
+        if d != p:
             return IdentityMismatch(rule, field, (
                 f"decode has {field} {d or '(none)'!r}, prefill has {p or '(none)'!r}: they "
                 "load different weights and pair only within one model identity"))
-    return None
+    raise AssertionError("same_model said different models but no field differs")
 
 
 @dataclass(frozen=True)

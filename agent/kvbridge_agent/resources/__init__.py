@@ -67,6 +67,7 @@ from ._status import (
     PairState,
     RevisionReason,
     revision_label,
+    same_model,
 )
 
 __all__ = [
@@ -128,4 +129,5 @@ __all__ = [
     "geometry_aliases",
     "region_aliases",
     "revision_label",
+    "same_model",
 ]

@@ -52,6 +52,7 @@ __all__ = [
     "PairState",
     "RevisionReason",
     "revision_label",
+    "same_model",
 ]
 
 #: The parts of a resource document.
@@ -122,6 +123,15 @@ def revision_label(revision: str, fingerprint: str) -> str:
         return revision
     digest = fingerprint.rpartition(":")[2]
     return digest[:12] if digest else "unknown"
+
+
+def same_model(fingerprint: str, revision: str, other_fingerprint: str,
+               other_revision: str) -> bool:  # fmt: skip
+    """Whether two engines serve the same weights, so that one may read the other's KV:
+    equal fingerprints (empty only with empty: agents that publish none) and equal revisions
+    where both state one. The operator pairs by this rule; the fronts check it again."""
+    return fingerprint == other_fingerprint and (
+        not revision or not other_revision or revision == other_revision)
 
 
 def _values(enum: type[StrEnum]) -> tuple[str, ...]:
