@@ -3,7 +3,8 @@
 Every decode rank is checked against the prefill ranks it handshakes with (spec §1.9 rank
 mapping) through the agent's own :func:`kvbridge_agent.protocol.validate_remote`, memoised
 on geometry classes, so thousands of identical engines cost one check. Engines compatible
-with no engine of the other role get an Incompatible verdict naming the rule and field.
+with no engine of the other role get an Incompatible verdict naming the rule and field. The
+model identity (:mod:`.revisions`) is checked first: engines of other weights never pair.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from kvbridge_agent.protocol import EngineGeometry, ValidationOptions, Verdict, 
 from .config import DECODE, PREFILL
 from .eligibility import Engine, Verdicts
 from .model import EndpointState, endpoint_field
+from .revisions import identity_mismatch
 from .spec import Transfer
 
-EngineKey = tuple[EngineGeometry, ...]
+EngineKey = tuple[tuple[str, str], tuple[EngineGeometry, ...]]
 
 
 @dataclass(frozen=True)
@@ -70,16 +72,20 @@ class Compatibility:
         return self._engines[key]
 
     def _check(self, d: Engine, p: Engine) -> Mismatch | None:
-        for r, dg in enumerate(d.key):
+        other_model = identity_mismatch(d.identity, p.identity)
+        if other_model is not None:  # checked first: other weights pair with nothing
+            return Mismatch(0, 0, other_model.rule, other_model.field, other_model.text)
+        p_geometry = p.geometry
+        for r, dg in enumerate(d.geometry):
             try:
                 targets = handshake_target_ranks(r, d.tp_size, p.tp_size)
             except GeometryError as exc:
                 return Mismatch(r, 0, "tp_size", "spec.tpSize", str(exc))
             for t in targets:
-                pair = (dg, p.key[t])
+                pair = (dg, p_geometry[t])
                 if pair not in self._ranks:
                     self._ranks[pair] = validate_remote(
-                        dg, p.key[t], mode=self.mode, expected_tp_size=self.p_tp,
+                        dg, p_geometry[t], mode=self.mode, expected_tp_size=self.p_tp,
                         options=self.options,
                     )  # fmt: skip
                 verdict = self._ranks[pair]

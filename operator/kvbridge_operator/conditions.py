@@ -3,11 +3,14 @@
 GeometryCompatible, Paired, HandshakesVerified, Ready (Paired and HandshakesVerified; an
 incompatible endpoint that is left out does not block it) and Degraded (incompatible, stale or
 incomplete endpoints, failed handshakes, pairs over a transport the KVTransfer does not
-accept). Messages name endpoints and fields and list at most a
+accept) and RevisionsMatched (every model revision has engines of both roles; see
+:mod:`.revisions`). Messages name endpoints and fields and list at most a
 few names, sorted, so they only change when the facts do.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from kvbridge_agent.resources import ConditionStatus as CS
 from kvbridge_agent.resources import ConditionType as CT
@@ -24,6 +27,7 @@ from .model import (
     RoleCounts,
     TransportFallback,
 )
+from .revisions import RevisionCount, revisions_condition
 from .spec import Endpoint, Transfer
 
 
@@ -41,6 +45,7 @@ def desired_conditions(
     decode: RoleCounts,
     pairs: list[Pair],
     fallbacks: list[TransportFallback] | None = None,
+    revisions: Sequence[RevisionCount] = (),
 ) -> tuple[DesiredCondition, ...]:
     C = DesiredCondition
     if not eps:
@@ -171,4 +176,4 @@ def desired_conditions(
             "no incompatible, stale or incomplete endpoints, no endpoint on a lost node, no "
             "failed handshakes and no transport fallback",
         )
-    return (geo, paired, hs, ready, degraded)
+    return (geo, paired, hs, ready, degraded, revisions_condition(revisions))

@@ -19,6 +19,9 @@ ANNOTATION_PREFIX = GROUP
 
 #: KVEndpoint ``status.peers`` maxItems in the CRD (docs/limits.md, "Object sizes").
 MAX_PEERS = 128
+#: Revision series per KVTransfer in the metrics (a label per model revision: bounded, like
+#: status.revisions, so a runaway of fingerprints cannot grow the series without end).
+MAX_REVISION_SERIES = 32
 
 
 def _env_int(name: str, default: int) -> int:

@@ -17,6 +17,7 @@ from kvbridge_agent.protocol import EngineGeometry
 
 from .config import DECODE, PREFILL
 from .model import EndpointPlan, EndpointState, Problem, endpoint_field
+from .revisions import Identity, identity_of
 from .spec import Endpoint, Transfer
 
 #: Reason of endpoints excluded because their node is not Ready.
@@ -32,9 +33,17 @@ class Engine:
     ranks: tuple[Endpoint, ...]
 
     @property
-    def key(self) -> tuple[EngineGeometry, ...]:
-        """The engine's geometry class: engines with equal keys are checked once."""
+    def geometry(self) -> tuple[EngineGeometry, ...]:
         return tuple(e.validation_geometry for e in self.ranks)
+
+    @property
+    def identity(self) -> Identity:
+        return identity_of(self.ranks[0])
+
+    @property
+    def key(self) -> tuple[tuple[str, str], tuple[EngineGeometry, ...]]:
+        """The engine's class (model identity and geometry): equal keys are checked once."""
+        return (self.identity.key, self.geometry)
 
     @property
     def tp_size(self) -> int:

@@ -51,6 +51,19 @@ TRANSPORT_FALLBACKS = Gauge(
     "Verified rank pairs over a transport the KVTransfer's spec.transport.accepted leaves out.",
     ["namespace", "transfer"],
 )
+REVISION_PAIRS = Gauge(
+    "kvbridge_transfer_revision_pairs",
+    "Engine pairs per model revision (spec.model.revision, else the fingerprint's first 12 "
+    "hex characters, else unknown); a revision with engines and no pair lacks a peer role.",
+    ["namespace", "transfer", "revision"],
+)
+REVISION_ENGINES = Gauge(
+    "kvbridge_transfer_revision_engines",
+    "Complete engines per model revision and role.",
+    ["namespace", "transfer", "revision", "role"],
+)
+#: revision labels exported per KVTransfer, to drop those of revisions that went away
+_revision_series: dict[tuple[str, str], set[str]] = {}
 #: PAIR_TRANSPORT label sets exported per KVTransfer, to drop those of pairs that went away.
 _pair_transport_series: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
 #: The KVTransfer conditions exported by TRANSFER_CONDITION (conditions.py sets these).
@@ -98,6 +111,32 @@ def record(namespace: str, transfer: str, plan: Plan) -> None:
     for labels in series:
         PAIR_TRANSPORT.labels(namespace, transfer, *labels).set(1)
     _pair_transport_series[(namespace, transfer)] = series
+    _record_revisions(namespace, transfer, plan)
+
+
+def _record_revisions(namespace: str, transfer: str, plan: Plan) -> None:
+    """Per-revision gauges; identities sharing a label (a revision over two fingerprints)
+    add up, so the series stay one per label."""
+    pairs: dict[str, int] = {}
+    engines: dict[tuple[str, str], int] = {}
+    for r in plan.revisions[:config.MAX_REVISION_SERIES]:
+        label = r.identity.label
+        pairs[label] = pairs.get(label, 0) + r.pairs
+        for role, n in (("prefill", r.prefills), ("decode", r.decodes)):
+            engines[(label, role)] = engines.get((label, role), 0) + n
+    for gone in _revision_series.get((namespace, transfer), set()) - set(pairs):
+        _forget_revision(namespace, transfer, gone)
+    for label, n in pairs.items():
+        REVISION_PAIRS.labels(namespace, transfer, label).set(n)
+    for (label, role), n in engines.items():
+        REVISION_ENGINES.labels(namespace, transfer, label, role).set(n)
+    _revision_series[(namespace, transfer)] = set(pairs)
+
+
+def _forget_revision(namespace: str, transfer: str, label: str) -> None:
+    _remove(REVISION_PAIRS, namespace, transfer, label)
+    for role in ("prefill", "decode"):
+        _remove(REVISION_ENGINES, namespace, transfer, label, role)
 
 
 def record_conditions(namespace: str, transfer: str,
@@ -128,6 +167,8 @@ def forget(namespace: str, transfer: str) -> None:
     _remove(TRANSPORT_FALLBACKS, namespace, transfer)
     for labels in _pair_transport_series.pop((namespace, transfer), set()):
         _remove(PAIR_TRANSPORT, namespace, transfer, *labels)
+    for label in _revision_series.pop((namespace, transfer), set()):
+        _forget_revision(namespace, transfer, label)
     for condition in CONDITIONS:
         _remove(TRANSFER_CONDITION, namespace, transfer, condition)
 

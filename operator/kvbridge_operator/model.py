@@ -6,9 +6,12 @@ The state values (:class:`EndpointState`, :class:`PairState`) are the shared sta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvbridge_agent.resources import PEER_FIELDS, EndpointState, PairState, document, endpoint_path
+
+if TYPE_CHECKING:  # revisions.py builds on these types
+    from .revisions import RevisionCount
 
 __all__ = [
     "DesiredCondition",
@@ -113,6 +116,8 @@ class Plan:
     conditions: tuple[DesiredCondition, ...]
     summary: str
     fallbacks: tuple[TransportFallback, ...] = ()  # sorted by (endpoint, peer)
+    #: per model identity, sorted by label
+    revisions: tuple[RevisionCount, ...] = ()
 
     def endpoint(self, name: str) -> EndpointPlan:
         return next(e for e in self.endpoints if e.name == name)

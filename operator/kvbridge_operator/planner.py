@@ -13,7 +13,8 @@ Steps, in order, one module each:
    through the agent's own ``validate_remote``, memoised on geometry classes;
 3. :mod:`.pairing`: each decode engine gets ``prefillPerDecode`` compatible prefill engines;
 4. here: rank-level peers, handshake verification (agent-reported results at the peer's
-   current epoch), counts and the desired conditions.
+   current epoch), counts (per model revision too, :mod:`.revisions`) and the desired
+   conditions.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from .model import (  # re-exported: the planner's public output types
     endpoint_field,
 )
 from .pairing import assign
+from .revisions import revision_counts
 from .spec import Endpoint, Handshake, Transfer
 
 __all__ = [
@@ -272,8 +274,11 @@ def _finish(
     decode = _counts(DECODE, eps, v, _compatible_engines(engines[DECODE], v))
     problems = sorted(v.problems, key=lambda p: p.endpoint)
     plans = [v.items[e.name] for e in eps]
+    revisions = revision_counts(((role, e.engine_id, e.identity)
+                                 for role in (PREFILL, DECODE) for e in engines[role].values()),
+                                pairs)  # fmt: skip
     conditions = desired_conditions(transfer, eps, plans, problems, prefill, decode, pairs,
-                                    fallbacks)  # fmt: skip
+                                    fallbacks, revisions)  # fmt: skip
     verified = sum(p.state is PairState.VERIFIED for p in pairs)
     summary = f"{prefill.engines} prefill / {decode.engines} decode engines, "
     summary += f"{verified}/{len(pairs)} pairs verified"
@@ -295,4 +300,5 @@ def _finish(
         conditions=conditions,
         summary=summary[:1000],
         fallbacks=tuple(fallbacks),
+        revisions=revisions,
     )

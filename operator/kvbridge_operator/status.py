@@ -20,6 +20,7 @@ from kvbridge_agent.resources import (
     PAIR_FIELDS,
     PAIRS_FIELDS,
     PROBLEM_FIELDS,
+    REVISION_FIELDS,
     ROLE_COUNT_FIELDS,
     TRANSFER_STATUS_FIELDS,
     ConditionStatus,
@@ -29,6 +30,7 @@ from kvbridge_agent.resources import (
 
 from .config import MAX_PEERS
 from .planner import DesiredCondition, EndpointPlan, EndpointState, Plan
+from .revisions import MAX_REVISIONS_LISTED
 from .spec import Endpoint
 
 #: KVEndpoint status keys the operator owns.
@@ -122,6 +124,8 @@ def transfer_status(
         "pairs": document(PAIRS_FIELDS, {
             "total": len(plan.pairs), "verified": plan.verified_pairs, "listed": pairs}),
         "incompatible": problems,
+        "revisions": [document(REVISION_FIELDS, r.to_dict())
+                      for r in plan.revisions[:MAX_REVISIONS_LISTED]],
         "conditions": merge_conditions(
             conditions.get(old), plan.conditions, now=now, generation=generation
         ),

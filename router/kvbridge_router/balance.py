@@ -62,6 +62,10 @@ DEFAULT_GBPS: Mapping[str, float] = {
 UNKNOWN_GBPS = 1.0
 
 
+#: a response header naming the model revision of the pair that served (table.Engine.revision)
+REVISION_HEADER = "x-kvbridge-revision"
+
+
 @dataclass(frozen=True)
 class Pair:
     decode: Engine
@@ -73,6 +77,11 @@ class Pair:
     @property
     def label(self) -> str:
         return f"{self.prefill.engine_id}->{self.decode.engine_id}"
+
+    @property
+    def revision(self) -> str:
+        """The model revision that served (table.py keeps pairs within one)."""
+        return self.decode.revision
 
 
 @dataclass(frozen=True)

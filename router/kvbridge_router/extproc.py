@@ -10,7 +10,8 @@ time to first token and streams SSE answers chunk by chunk. The cache-aware poli
 prompt: the request body is held until its end (up to ``MAX_HELD_BODY``; past it the pick is
 made on load alone), then the headers are answered and the body returned in chunks, as the
 inference extension's own picker does. Response bodies always stream. The response headers
-get ``x-kvbridge-pair`` (the pair that served). The engines the stream named count as busy
+get ``x-kvbridge-pair`` (the pair that served) and ``x-kvbridge-revision`` (its model
+revision). The engines the stream named count as busy
 (for the choice) until the response ends or the stream closes.
 
 gRPC health: ``liveness`` always SERVING; ``readiness`` and the ext_proc service SERVING once
@@ -38,7 +39,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from . import metrics as m
 from .affinity import CacheTracker, TrackingSettings
-from .balance import Balancer, ChooserSettings, Pair, Prompt
+from .balance import REVISION_HEADER, Balancer, ChooserSettings, Pair, Prompt
 from .picker import (
     LB_NAMESPACE,
     PAIR_HEADER,
@@ -169,7 +170,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 elif kind == "request_body":
                     yield ep.ProcessingResponse(request_body=_echo(request.request_body))
                 elif kind == "response_headers":
-                    pair = [(PAIR_HEADER, busy.label)] if busy is not None else []
+                    pair = ([(PAIR_HEADER, busy.label), (REVISION_HEADER, busy.revision)]
+                            if busy is not None else [])  # fmt: skip
                     yield ep.ProcessingResponse(response_headers=ep.HeadersResponse(
                         response=ep.CommonResponse(header_mutation=_set_headers(pair))))
                 elif kind == "response_body":
@@ -222,7 +224,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                         prompt)  # fmt: skip
         m.PICK_SECONDS.observe(time.perf_counter() - began)
         if isinstance(decision, NoPick):
-            m.PICKS.labels("no_pair", "", "").inc()
+            m.PICKS.labels("no_pair", *m.pair_labels(None)).inc()
             if decision.message != self._last_refusal:   # once per reason, not per request
                 log.warning("answering 503: %s", decision.message)
                 self._last_refusal = decision.message
@@ -233,7 +235,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         self._last_refusal = ""
         self.balancer.start(pair.decode)
         self.balancer.start(pair.prefill, pair.prefill_blocks)
-        m.PICKS.labels("picked", pair.prefill.engine_id, pair.decode.engine_id).inc()
+        m.PICKS.labels("picked", *m.pair_labels(pair)).inc()
         metadata = struct_pb2.Struct()
         metadata.update({LB_NAMESPACE: {"x-gateway-destination-endpoint": decision.destination}})
         return ep.ProcessingResponse(

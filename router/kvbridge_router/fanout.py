@@ -26,6 +26,7 @@ from .upstream import (
     decode_json,
     encode,
     error_response,
+    stamp,
     stream_error,
 )
 
@@ -121,6 +122,7 @@ class FanOut:
         merge = StreamMerge(fan)
         out = web.StreamResponse(status=200)
         out.content_type = SSE
+        stamp(out, pair)
         self._settle(tally.CANCELLED, pair)
         await out.prepare(request)
         queue: asyncio.Queue[tuple[int, sse.Event | Exception | None]] = \

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
-    from .balance import Decision
+    from .balance import Decision, Pair
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -21,8 +21,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 REQUESTS = Counter(
     "kvbridge_router_requests", "Requests by outcome and by the pair that served them "
-    "(prefill and decode engine ids; empty when none did)", ["outcome", "prefill", "decode"],
-    registry=REGISTRY)
+    "(prefill and decode engine ids and the model revision; empty when none did)",
+    ["outcome", "prefill", "decode", "revision"], registry=REGISTRY)
 RETRIES = Counter(
     "kvbridge_router_retries", "Requests sent again on another pair, by the step that failed "
     "(prefill, decode) or by the lease rule (lease: the prefill answer was too old)",
@@ -52,11 +52,19 @@ INFO = Gauge(
     registry=REGISTRY)
 
 
+def pair_labels(pair: Pair | None) -> tuple[str, str, str]:
+    """The prefill, decode and revision labels of the pair that served (empty: none did).
+    The revision follows from the pair, so it adds no series of its own."""
+    if pair is None:
+        return ("", "", "")
+    return (pair.prefill.engine_id, pair.decode.engine_id, pair.revision)
+
+
 def init_series() -> None:
     """Every outcome and retry stage at 0 from the start (pair labels empty), so that rates
     and the dashboard's panels have a series before the first request or failure."""
     for outcome in OUTCOMES:
-        REQUESTS.labels(outcome, "", "")
+        REQUESTS.labels(outcome, "", "", "")
     for stage in ("prefill", "decode", "lease"):
         RETRIES.labels(stage)
     for policy in ("least-load", "cache-aware"):   # balance.POLICIES
@@ -69,7 +77,8 @@ def init_series() -> None:
 PICKS = Counter(
     "kvbridge_picker_requests", "Requests the inference gateway asked the endpoint picker "
     "about, by outcome (picked: a verified pair named; no_pair: 503, nothing verified or "
-    "eligible) and by the pair named", ["outcome", "prefill", "decode"], registry=REGISTRY)
+    "eligible) and by the pair named and its model revision",
+    ["outcome", "prefill", "decode", "revision"], registry=REGISTRY)
 PICK_SECONDS = Histogram(
     "kvbridge_picker_decision_seconds", "From the request headers' arrival to the pick",
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1),

@@ -67,6 +67,7 @@ from .upstream import (
     decode_json,
     encode,
     error_response,
+    stamp,
     stream_error,
 )
 
@@ -210,12 +211,8 @@ class Router(FanOut):
                ) -> web.StreamResponse:  # fmt: skip
         """``response``, its request counted ``outcome``: on the handler's tally when one is
         open (counted when the handler ends), at once otherwise."""
-        current = tally.current()
-        if current is None:
-            tally.count(outcome, pair)
-        else:
-            current.settle(outcome, pair)
-        return response
+        tally.record(outcome, pair)
+        return stamp(response, pair)
 
     @staticmethod
     def _settle(outcome: str, pair: Pair | None) -> None:
@@ -408,6 +405,7 @@ class Router(FanOut):
         pair = upstream.pair
         out = web.StreamResponse(status=upstream.status)
         out.content_type = upstream.resp.content_type
+        stamp(out, pair)
         self._settle(tally.CANCELLED, pair)
         await out.prepare(request)
         await out.write(upstream.first)

@@ -6,7 +6,8 @@ the decode engine is ``Paired``, lists ranks of the prefill engine among its pee
 reports a ``Succeeded`` handshake with each of them at the epoch that prefill rank publishes
 now; every rank of the prefill engine is ``Paired`` too. A restarted prefill (new epoch), a
 failed or missing handshake, an endpoint the operator refused, unpaired or marked stale, and an
-endpoint that is gone or terminating (its pod deleted) all take the pair out. Engines are
+endpoint that is gone or terminating (its pod deleted) all take the pair out, and so do two
+engines of different model weights (``spec.model``), whatever the statuses say. Engines are
 grouped by ``spec.engineId``: with tensor parallelism each rank publishes an endpoint, and the
 engine serves HTTP on its pod's address. Every key and state is read through the agent's
 field tables (``kvbridge_agent.resources``), which the CRD test holds to the schema.
@@ -14,6 +15,7 @@ field tables (``kvbridge_agent.resources``), which the CRD test holds to the sch
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,7 +36,11 @@ from kvbridge_agent.resources import (
     STATUS,
     EndpointState,
     HandshakeState,
+    revision_label,
+    same_model,
 )
+
+log = logging.getLogger(__name__)
 
 PAIRED = EndpointState.PAIRED
 SUCCEEDED = HandshakeState.SUCCEEDED
@@ -62,6 +68,18 @@ class Engine:
     num_blocks: int = 0
     #: the port of its KV-event publisher (``spec.kvEventsPort``); 0: none stated
     kv_events_port: int = 0
+    #: what it serves (``spec.model``; empty on agents that publish none)
+    model_fingerprint: str = ""
+    model_revision: str = ""
+
+    @property
+    def revision(self) -> str:
+        """The revision label metrics and the ``x-kvbridge-revision`` header carry."""
+        return revision_label(self.model_revision, self.model_fingerprint)
+
+    def same_model(self, other: Engine) -> bool:
+        return same_model(self.model_fingerprint, self.model_revision,
+                          other.model_fingerprint, other.model_revision)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -113,8 +131,8 @@ def routing_table(transfer_name: str, transfer: Mapping[str, Any] | None,
         if engine.role != DECODE or not all_paired(eid):
             continue
         verified = _verified_prefills(ranks[eid], by_name)
-        ok = tuple(sorted(p for p in verified
-                          if engines[p].role == PREFILL and all_paired(p)))  # fmt: skip
+        ok = tuple(sorted(p for p in verified if engines[p].role == PREFILL and all_paired(p)
+                          and _same_model(engine, engines[p])))  # fmt: skip
         if ok:
             pairs[eid] = ok
     if pairs:
@@ -134,7 +152,20 @@ def _engine(engine_id: str, ranks: list[Mapping[str, Any]]) -> Engine:
                   int(_G.block_size.get(geometry) or 0) * per_logical,
                   sum(_block_bytes(r[SPEC].get(GEOMETRY) or {}) for r in ranks),
                   int(_G.num_blocks.get(geometry) or 0) // per_logical,
-                  int(_S.kv_events_port.get(spec) or 0))  # fmt: skip
+                  int(_S.kv_events_port.get(spec) or 0),
+                  _S.model_fingerprint.get(spec) or "", _S.model_revision.get(spec) or "")
+
+
+def _same_model(decode: Engine, prefill: Engine) -> bool:
+    """Defence in depth: a pair over two models' weights answers wrong tokens, so it is
+    skipped even when the statuses say it is paired (the operator never pairs one)."""
+    if decode.same_model(prefill):
+        return True
+    log.debug("skipping pair %s->%s: different models (fingerprint %r revision %r vs "
+              "fingerprint %r revision %r)", prefill.engine_id, decode.engine_id,
+              prefill.model_fingerprint, prefill.model_revision, decode.model_fingerprint,
+              decode.model_revision)
+    return False
 
 
 def _block_bytes(geometry: Mapping[str, Any]) -> int:

@@ -48,8 +48,17 @@ class Tally:
 
 
 def count(outcome: str, pair: Pair | None) -> None:
-    prefill, decode = (pair.prefill.engine_id, pair.decode.engine_id) if pair else ("", "")
-    m.REQUESTS.labels(outcome, prefill, decode).inc()
+    m.REQUESTS.labels(outcome, *m.pair_labels(pair)).inc()
+
+
+def record(outcome: str, pair: Pair | None) -> None:
+    """Settle the handler's open tally (counted when the handler ends), or count at once
+    when none is open."""
+    current = _CURRENT.get()
+    if current is None:
+        count(outcome, pair)
+    else:
+        current.settle(outcome, pair)
 
 
 def current() -> Tally | None:

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from . import metrics as m
 from . import sse
-from .balance import Pair
+from .balance import REVISION_HEADER, Pair
 from .client_errors import error_body
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "decode_json",
     "encode",
     "error_response",
+    "stamp",
     "stream_error",
 ]
 
@@ -109,6 +110,14 @@ class Upstream:
         self.close()
         return Answer(self.status, self.first, "rejected", self.pair,
                       self.content_type or JSON_CONTENT_TYPE)  # fmt: skip
+
+
+def stamp(response: web.StreamResponse, pair: Pair | None) -> web.StreamResponse:
+    """``response`` with the revision of the pair that served (before it is sent; an answer
+    no pair served carries none)."""
+    if pair is not None and not response.prepared:
+        response.headers[REVISION_HEADER] = pair.revision
+    return response
 
 
 def stream_error(pair: Pair, exc: BaseException) -> bytes:

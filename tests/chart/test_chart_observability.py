@@ -32,7 +32,7 @@ pytestmark = needs_helm
 
 ALERTS = {
     "KVBridgeTransferDegraded", "KVBridgeTransferNotReady", "KVBridgeIncompatibleEndpoints",
-    "KVBridgeTransportFallback",
+    "KVBridgeTransportFallback", "KVBridgeRevisionWithoutPeer",
     "KVBridgeHandshakeFailures", "KVBridgeTransferFailures", "KVBridgeLateReads",
     "KVBridgeOperatorAbsent",
     "KVBridgeOperatorNotReconciling", "KVBridgeRouterNoVerifiedPair", "KVBridgeRouterFailures",
@@ -198,6 +198,25 @@ def test_alert_annotations_labels_and_values() -> None:
     own = alert_rules(chart_rules(str(tool("helm")), ["prometheusRule.operatorJob=ops-kvb"]))
     assert 'up{job="ops-kvb"}' in own["KVBridgeOperatorAbsent"]["expr"]
     assert "runbook_url" not in own["KVBridgeOperatorAbsent"]["annotations"]
+
+
+def test_revision_without_peer_alert() -> None:
+    """Engines of a model revision that no engine of the other role matches: the rule reads
+    the operator's per-revision gauges, keeps the revision label, and has a toggle."""
+    alerts = alert_rules(one(render("observability"), "PrometheusRule")["spec"])
+    rule = alerts["KVBridgeRevisionWithoutPeer"]
+    expr = " ".join(rule["expr"].split())
+    assert expr == ("sum by (namespace, transfer, revision) (kvbridge_transfer_revision_engines)"
+                    " > 0 unless on (namespace, transfer, revision)"
+                    " kvbridge_transfer_revision_pairs > 0")
+    assert rule["for"] == "10m" and rule["labels"]["severity"] == "warning"
+    notes = rule["annotations"]
+    assert "{{ $labels.revision }}" in notes["summary"]
+    assert "RevisionsMatched" in notes["runbook"] and "status.revisions" in notes["runbook"]
+    assert notes["runbook_url"].endswith("/KVBridgeRevisionWithoutPeer")
+    off = alert_rules(chart_rules(str(tool("helm")),
+                                  ["prometheusRule.alerts.revisionWithoutPeer.enabled=false"]))
+    assert "KVBridgeRevisionWithoutPeer" not in off and "KVBridgeTransportFallback" in off
 
 
 def test_dashboard_configmap() -> None:

@@ -464,7 +464,7 @@ def test_conditions_keep_transition_time_unless_status_changes() -> None:
     p = plan(transfer(), eps)
     s1 = st.transfer_status(p, None, generation=1, now="2025-01-01T00:00:00Z")
     s2 = st.transfer_status(p, s1, generation=2, now="2025-01-02T00:00:00Z")
-    assert [c["lastTransitionTime"] for c in s2["conditions"]] == ["2025-01-01T00:00:00Z"] * 5
+    assert [c["lastTransitionTime"] for c in s2["conditions"]] == ["2025-01-01T00:00:00Z"] * 6
     assert {c["observedGeneration"] for c in s2["conditions"]} == {2}
     done = plan(transfer(), handshakes_done(p, eps))
     s3 = st.transfer_status(done, s2, generation=2, now="2025-01-03T00:00:00Z")

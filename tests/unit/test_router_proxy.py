@@ -25,12 +25,16 @@ from aiohttp.http_exceptions import BadStatusLine
 from kvbridge_router import metrics as m
 from kvbridge_router import tally
 from kvbridge_router.__main__ import _serve_http
+from kvbridge_router.balance import REVISION_HEADER
 from kvbridge_router.limits import MEDIA_TYPE_MESSAGE, PARSE_MESSAGE
 from kvbridge_router.logfilter import MalformedRequests
 from kvbridge_router.proxy import Router, RouterSettings
 from kvbridge_router.table import Engine, RoutingTable
 from kvbridge_testkit.prometheus import counts_by_label
 from local_http import serve_locally
+
+#: the model revision every fake engine publishes
+REVISION = "rev-7"
 
 
 class FakeEngine:
@@ -95,7 +99,8 @@ class FakeEngine:
         return out
 
     def engine(self, role: str) -> Engine:
-        return Engine(self.name, role, "127.0.0.1", (self.name,), port=self.port)
+        return Engine(self.name, role, "127.0.0.1", (self.name,), port=self.port,
+                      model_revision=REVISION)
 
     async def stop(self) -> None:
         if self.runner is not None:
@@ -133,6 +138,20 @@ async def post(url: str, body: dict[str, Any]) -> tuple[int, str]:
 
 
 PROMPT = {"model": "m", "prompt": "hello", "max_tokens": 4}
+
+
+def test_every_answer_a_pair_served_names_its_revision() -> None:
+    async def scenario(url: str, engines: dict[str, FakeEngine]) -> None:
+        async with aiohttp.ClientSession() as s:
+            for body in (PROMPT, {**PROMPT, "stream": True}, {**PROMPT, "prompt": ["a", "b"]},
+                         {**PROMPT, "prompt": ["a", "b"], "stream": True}):
+                async with s.post(f"{url}/v1/completions", json=body) as r:
+                    await r.read()
+                    assert r.status == 200 and r.headers[REVISION_HEADER] == REVISION, body
+            async with s.post(f"{url}/v1/completions",
+                              json={**PROMPT, "kv_transfer_params": {}}) as r:
+                assert r.status == 400 and REVISION_HEADER not in r.headers  # no pair served
+    run(scenario, p0="ok", d0="ok")
 
 
 def test_answers_over_the_pair_and_retries_a_failed_prefill_elsewhere() -> None:

@@ -50,6 +50,7 @@ from ._status import (
     PROBLEM_FIELDS,
     REQUIRED,
     REQUIREMENT_FIELDS,
+    REVISION_FIELDS,
     ROLE_COUNT_FIELDS,
     ROLE_SPEC_FIELDS,
     SELECTOR_OPERATORS,
@@ -64,6 +65,9 @@ from ._status import (
     EndpointState,
     HandshakeState,
     PairState,
+    RevisionReason,
+    revision_label,
+    same_model,
 )
 
 __all__ = [
@@ -96,6 +100,7 @@ __all__ = [
     "REGION_FIELDS",
     "REQUIRED",
     "REQUIREMENT_FIELDS",
+    "REVISION_FIELDS",
     "ROLES",
     "ROLE_COUNT_FIELDS",
     "ROLE_SPEC_FIELDS",
@@ -117,9 +122,12 @@ __all__ = [
     "FieldTable",
     "HandshakeState",
     "PairState",
+    "RevisionReason",
     "document",
     "endpoint_document",
     "endpoint_path",
     "geometry_aliases",
     "region_aliases",
+    "revision_label",
+    "same_model",
 ]

@@ -35,6 +35,7 @@ __all__ = [
     "PROBLEM_FIELDS",
     "REQUIRED",
     "REQUIREMENT_FIELDS",
+    "REVISION_FIELDS",
     "ROLE_COUNT_FIELDS",
     "ROLE_SPEC_FIELDS",
     "SELECTOR_OPERATORS",
@@ -49,6 +50,9 @@ __all__ = [
     "EndpointState",
     "HandshakeState",
     "PairState",
+    "RevisionReason",
+    "revision_label",
+    "same_model",
 ]
 
 #: The parts of a resource document.
@@ -98,6 +102,36 @@ class ConditionType(StrEnum):
     HANDSHAKES_VERIFIED = "HandshakesVerified"
     READY = "Ready"
     DEGRADED = "Degraded"
+    REVISIONS_MATCHED = "RevisionsMatched"
+
+
+class RevisionReason(StrEnum):
+    """Reasons of the ``RevisionsMatched`` condition: every model revision present in a
+    KVTransfer has both roles, or the first one that lacks a role."""
+
+    ALL_PAIRED = "AllRevisionsPaired"
+    WITHOUT_PREFILL = "RevisionWithoutPrefill"
+    WITHOUT_DECODE = "RevisionWithoutDecode"
+    WAITING = "WaitingForEngines"
+
+
+def revision_label(revision: str, fingerprint: str) -> str:
+    """How metrics, conditions and response headers name a model identity: the revision if
+    stated, else the first 12 hex characters of the fingerprint (``sampled-v1:<hex>``), else
+    ``unknown`` (agents that publish neither)."""
+    if revision:
+        return revision
+    digest = fingerprint.rpartition(":")[2]
+    return digest[:12] if digest else "unknown"
+
+
+def same_model(fingerprint: str, revision: str, other_fingerprint: str,
+               other_revision: str) -> bool:  # fmt: skip
+    """Whether two engines serve the same weights, so that one may read the other's KV:
+    equal fingerprints (empty only with empty: agents that publish none) and equal revisions
+    where both state one. The operator pairs by this rule; the fronts check it again."""
+    return fingerprint == other_fingerprint and (
+        not revision or not other_revision or revision == other_revision)
 
 
 def _values(enum: type[StrEnum]) -> tuple[str, ...]:
@@ -182,6 +216,16 @@ PROBLEM_FIELDS = FieldTable((
     _f("message", "message", str, default=""),
 ))
 
+#: One ``status.revisions`` item: the engines and pairs of one model identity.
+REVISION_FIELDS = FieldTable((
+    _f("model", "model", str, default=""),
+    _f("revision", "revision", str, default=""),
+    _f("fingerprint", "fingerprint", str, default=""),
+    _f("prefills", "prefills", int, default=0),
+    _f("decodes", "decodes", int, default=0),
+    _f("pairs", "pairs", int, default=0),
+))
+
 #: One ``status.conditions`` item (Kubernetes API conventions).
 CONDITION_FIELDS = FieldTable((
     _f("type", "type", str),
@@ -200,6 +244,7 @@ TRANSFER_STATUS_FIELDS = FieldTable((
     _f(DECODE, DECODE, dict, default=None, fields=ROLE_COUNT_FIELDS),
     _f("pairs", "pairs", dict, default=None, fields=PAIRS_FIELDS),
     _f("incompatible", "incompatible", list, default=(), fields=PROBLEM_FIELDS),
+    _f("revisions", "revisions", list, default=(), fields=REVISION_FIELDS),
     _f("conditions", "conditions", list, default=(), fields=CONDITION_FIELDS),
 ))
 
