@@ -199,15 +199,20 @@ def test_peer_models_decline_a_mismatch_once_checked(caplog: pytest.LogCaptureFi
 
 
 def test_peer_models_recheck_after_a_new_handshake() -> None:
-    fetch = _Fetch(B, A)
+    fetch = _Fetch(B, A, B)
     models = PeerModels(A, 1.0, fetch)
     models.mark("p")
-    models.check("p", "h", 1)
-    assert models.declines("p", "r")
-    models.forget("p")   # the peer restarted: ask again
-    assert not models.settled("p")
-    models.check("p", "h", 1)
+    models.check("p", "h", 1, generation=10.0)
+    assert models.declines("p", "r") and models.settled("p", 10.0)
+    # Handshaken again (a restart, an epoch change): the verdict is of the old generation.
+    assert not models.settled("p", 20.0)
+    models.check("p", "h", 1, generation=20.0)
+    assert models.settled("p", 20.0) and fetch.calls == 2
     assert not models.declines("p", "r") and models.verdict("p").status == "match"
+    models.forget("p")
+    assert not models.settled("p", 20.0)
+    models.check("p", "h", 1, generation=20.0)
+    assert models.declines("p", "r") and fetch.calls == 3
 
 
 def test_peer_models_failures_and_no_fingerprint() -> None:

@@ -61,7 +61,8 @@ class PeerModels:
         self._fetch = fetch
         self._lock = threading.Lock()
         self._marked: set[str] = set()
-        self._verdicts: dict[str, tuple[Verdict, ModelIdentity]] = {}
+        #: engine id -> (verdict, its identity, the handshake generation it was checked at)
+        self._verdicts: dict[str, tuple[Verdict, ModelIdentity, float | None]] = {}
         self._told_off = False
 
     def mark(self, engine_id: str) -> None:
@@ -76,21 +77,27 @@ class PeerModels:
         with self._lock:
             self._marked.add(engine_id)
 
-    def settled(self, engine_id: str) -> bool:
-        """Whether a read from ``engine_id`` may be decided now (no check due)."""
+    def settled(self, engine_id: str, generation: float | None = None) -> bool:
+        """Whether a read from ``engine_id`` may be decided now: no check is due, or one was
+        made at this ``generation`` of its handshake (``AgentService.loaded_since``: a new
+        handshake, after a restart say, may find other weights)."""
         with self._lock:
-            return engine_id not in self._marked or engine_id in self._verdicts
+            if engine_id not in self._marked:
+                return True
+            got = self._verdicts.get(engine_id)
+            return got is not None and got[2] == generation
 
     def forget(self, engine_id: str) -> None:
-        """A new handshake with ``engine_id``: it may have restarted with other weights."""
+        """Ask ``engine_id`` again before its next read."""
         with self._lock:
             self._verdicts.pop(engine_id, None)
 
-    def check(self, engine_id: str, host: str, port: int) -> str:
+    def check(self, engine_id: str, host: str, port: int, generation: float | None = None
+              ) -> str:  # fmt: skip
         """Ask a marked engine whose verdict is unknown for its identity (blocking: call it
         off the engine step). Returns why it could not be asked ("" when done or not due);
         no verdict is kept then, so the next request asks again."""
-        if self.settled(engine_id):
+        if self.settled(engine_id, generation):
             return ""
         try:
             remote = self._fetch(engine_id, host, port, self.timeout_s)
@@ -98,7 +105,7 @@ class PeerModels:
             return f"model identity not obtained: {exc}"
         verdict = compare_identities(self.local, remote)
         with self._lock:
-            self._verdicts[engine_id] = (verdict, remote)
+            self._verdicts[engine_id] = (verdict, remote, generation)
         mine, theirs = describe(self.local), describe(remote)
         if verdict.declines:
             log.error("kvbridge: remote engine %s serves another model (%s): this engine "

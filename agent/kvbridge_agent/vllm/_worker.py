@@ -259,7 +259,7 @@ class KVBridgeWorker:
         remote = meta.remote
         assert remote is not None
         svc = self._svc()
-        if not self.models.settled(remote.engine_id):   # a kvbridge peer not checked yet
+        if not self.models.settled(remote.engine_id, svc.loaded_since(remote.engine_id)):
             self._awaiting_handshake.setdefault(remote.engine_id, []).append((req_id, meta))
             return self._ensure_handshake(remote.engine_id, remote.host, remote.port,
                                           meta.tp_size)
@@ -332,7 +332,8 @@ class KVBridgeWorker:
         result = _Handshake(engine_id, True)
         if not self._svc().has_remote(engine_id):
             result = self._handshake_now(engine_id, host, port, tp_size)
-        if result.ok and (why := self.models.check(engine_id, host, port)):
+        generation = self._svc().loaded_since(engine_id)   # a kvbridge peer: its model
+        if result.ok and (why := self.models.check(engine_id, host, port, generation)):
             result = _Handshake(engine_id, False, why)
         with self._lock:
             self._handshaking.discard(engine_id)
@@ -346,8 +347,6 @@ class KVBridgeWorker:
             reports = [svc.handshake(PeerRef(f"{engine_id}-tp{r}", engine_id, host, port, r,
                                              tp_size, None, "prefill")) for r in ranks]
             bad = [r for r in reports if not r.ok]
-            if not bad:   # a new handshake: a restarted peer may serve other weights
-                self.models.forget(engine_id)
             result = _Handshake(engine_id, not bad,
                                 "; ".join(f"{r.peer}: {r.reason}: {r.message}" for r in bad))
         except Exception as exc:   # a wrong TP size, for instance: fail its requests
