@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from kvbridge_agent.identity import fingerprint
 from kvbridge_testkit.vllm_harness import (
     EngineProcess,
     RandomPrompts,
@@ -57,12 +58,15 @@ def rewrite_model(model: Path, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def engines(vllm_py: str, engine_logs: Path, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[dict[str, EngineProcess]]:  # fmt: skip
+            ) -> Iterator[dict[str, Any]]:  # fmt: skip
     model = write_model(tmp_path_factory.mktemp("rewritten") / "model", kind="llama", seed=1)
+    fingerprints = {"p": fingerprint(model, "sampled").value}
     prefill = EngineProcess(model, engine_logs, connector="kvbridge", kv_role="kv_producer",
                             engine_id="mi-prefill", name="mi-prefill")
     with running({"p": prefill}):
         rewrite_model(model, seed=2)
+        fingerprints["d"] = fingerprint(model, "sampled").value
+        assert fingerprints["d"] != fingerprints["p"]
 
         def decode(name: str, **kwargs: Any) -> EngineProcess:
             return EngineProcess(model, engine_logs, connector="kvbridge",
@@ -73,7 +77,7 @@ def engines(vllm_py: str, engine_logs: Path, tmp_path_factory: pytest.TempPathFa
         with running({"d-fail": decode("d-fail"),
                       "d-recompute": decode("d-recompute", load_failure_policy="recompute")}
                      ) as decodes:
-            yield {"p": prefill, **decodes}
+            yield {"p": prefill, **decodes, "fingerprints": fingerprints}
 
 
 def hand_out(prefill: EngineProcess, prompts: list[list[int]]) -> list[dict[str, Any]]:
@@ -82,22 +86,16 @@ def hand_out(prefill: EngineProcess, prompts: list[list[int]]) -> list[dict[str,
             for o in outs]
 
 
-def served(engine: EngineProcess) -> str:
-    """The identity an engine logged at start-up."""
-    return next(ln for ln in engine.log_tail(2_000_000).splitlines()
-                if "kvbridge: serving model" in ln)
-
-
 def mismatches(decode: EngineProcess) -> float:
     return float(decode.call({"cmd": "connector_state"})["model_mismatch_declined"])
 
 
-def test_prefill_marks_its_params(engines: dict[str, EngineProcess]) -> None:
+def test_prefill_marks_its_params(engines: dict[str, Any]) -> None:
     params = hand_out(engines["p"], [RandomPrompts(1)()])[0]
     assert params["kvbridge_identity"] == 1
 
 
-def test_reads_from_another_model_are_declined(engines: dict[str, EngineProcess]) -> None:
+def test_reads_from_another_model_are_declined(engines: dict[str, Any]) -> None:
     prompt = RandomPrompts(35)
     prompts = [prompt() for _ in range(3)]
     decode = engines["d-recompute"]
@@ -113,8 +111,7 @@ def test_reads_from_another_model_are_declined(engines: dict[str, EngineProcess]
     line = next(ln for ln in decode.log_tail(500_000).splitlines()
                 if "remote engine mi-prefill serves another model" in ln)
     mine, theirs = re.findall(r"fingerprint '(sampled-v1:[0-9a-f]{64})'", line)
-    assert f"fingerprint '{mine}'" in served(decode)
-    assert f"fingerprint '{theirs}'" in served(engines["p"]) and mine != theirs
+    assert (mine, theirs) == (engines["fingerprints"]["d"], engines["fingerprints"]["p"])
 
     fail = engines["d-fail"]
     received_ok(fail)
