@@ -110,6 +110,11 @@ LATE_READS = Counter(
     "kvbridge_agent_late_reads_declined",
     "Reads declined because the prefill's lease deadline had passed or was within the margin",
     registry=REGISTRY)
+READS_DECLINED = Counter(
+    "kvbridge_agent_reads_declined",
+    "Reads a decode declined before starting them, by cause (late_read: the prefill's lease "
+    "deadline; model_mismatch: the prefill serves another model)", ["cause"],
+    registry=REGISTRY)
 PEERS = Gauge("kvbridge_agent_peers", "Peers loaded after a successful handshake",
               registry=REGISTRY)
 INFO = Gauge(

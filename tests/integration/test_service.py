@@ -122,14 +122,17 @@ def test_handshake_measures_the_peers_clock(pair) -> None:
 def test_handshake_is_not_repeated_and_stale_epoch_is_dropped(pair) -> None:
     p, _, d, _ = pair
     r0 = d.set_peers([ref(p, "p-0")])[0]
+    loaded = d.loaded_since("P")
     again = d.set_peers([ref(p, "p-0")])[0]
     assert again.time == r0.time and again.agent_name == r0.agent_name
+    assert loaded is not None and d.loaded_since("P") == loaded, "the same handshake"
     # The operator says the peer is now at another epoch: old remote dropped, new handshake
     # reaches the same (old) process whose agent name carries epoch 1 -> refused as stale.
     moved = ref(p, "p-0")
     moved = PeerRef(moved.name, moved.engine_id, moved.host, moved.port, 0, 1, 2, "prefill")
     rep = d.set_peers([moved])[0]
     assert not rep.ok and rep.reason == "stale" and not d.peers()
+    assert d.loaded_since("P") is None
     res = d.pull("req-x", "P", [[1], [1]], [[1], [1]])
     assert not res.ok and res.cause == "unknown_remote"
     assert d.set_peers([]) == []

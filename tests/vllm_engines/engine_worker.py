@@ -75,7 +75,9 @@ def connector_state(wrapper: Any) -> dict[str, Any]:
     return {"rank": rank(wrapper),
             "remotes": sorted({p.engine_id for p in service.peers().values()}),
             "epoch": service.epoch,
-            "late_reads_declined": metrics.value("kvbridge_agent_late_reads_declined_total")}
+            "late_reads_declined": metrics.value("kvbridge_agent_late_reads_declined_total"),
+            "model_mismatch_declined": metrics.value("kvbridge_agent_reads_declined_total",
+                                                     cause="model_mismatch")}
 
 
 def preflight(wrapper: Any, engine_id: str, host: str, port: int, tp_size: int

@@ -262,11 +262,12 @@ class Engine:
 
     def connector_state(self, _cmd: dict[str, Any]) -> dict[str, Any]:
         """kvbridge only: the remote engines loaded by every rank's agent (their union),
-        rank 0's epoch, and late reads declined on all ranks."""
+        rank 0's epoch, and reads declined (late, other model) on all ranks."""
         ranks = self._on_workers(engine_worker.connector_state)
         return {"ok": True, "remotes": sorted({e for r in ranks for e in r["remotes"]}),
                 "epoch": ranks[0]["epoch"],
                 "late_reads_declined": sum(r["late_reads_declined"] for r in ranks),
+                "model_mismatch_declined": sum(r["model_mismatch_declined"] for r in ranks),
                 "ranks": ranks}
 
     def preflight(self, cmd: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,17 @@ them apart: the served name, the revision, a content fingerprint of the model's 
 NIXL or Kubernetes imports (``huggingface_hub`` only if installed, to find a cached model).
 """
 
+from ._exchange import (
+    EXCHANGE_VERSION,
+    MARKER_KEY,
+    Verdict,
+    compare_identities,
+    decode_identity,
+    describe,
+    encode_identity,
+    encode_identity_request,
+    is_identity_request,
+)
 from ._files import WEIGHT_SUFFIXES, ModelFile, is_model_file, model_files
 from ._fingerprint import MODES, Fingerprint, fingerprint, sample_offsets
 from ._model import DIGEST_MODES, ModelIdentity, identify_model
@@ -15,13 +26,22 @@ from ._revision import local_model_dir, model_revision, snapshot_commit
 
 __all__ = [
     "DIGEST_MODES",
+    "EXCHANGE_VERSION",
+    "MARKER_KEY",
     "MODES",
     "WEIGHT_SUFFIXES",
     "Fingerprint",
     "ModelFile",
     "ModelIdentity",
+    "Verdict",
+    "compare_identities",
+    "decode_identity",
+    "describe",
+    "encode_identity",
+    "encode_identity_request",
     "fingerprint",
     "identify_model",
+    "is_identity_request",
     "is_model_file",
     "local_model_dir",
     "model_files",

@@ -267,6 +267,12 @@ class AgentService:
         """Whether some rank of ``engine_id`` is loaded (handshaken)."""
         return self._peers.has_remote(engine_id)
 
+    def loaded_since(self, engine_id: str) -> float | None:
+        """When the latest-loaded rank of ``engine_id`` was loaded (``time.monotonic``);
+        None when none is. Changes with every new handshake, whoever started it (this
+        engine, the operator's peer assignment after an epoch change)."""
+        return self._peers.loaded_since(engine_id)
+
     def clock_offset(self, engine_id: str) -> ClockOffset | None:
         """``engine_id``'s clock against ours, measured by its handshake (the loaded rank
         with the smallest error); None when no rank is loaded. Converts the lease deadline

@@ -140,6 +140,12 @@ class PeerSet:
         with self._core.lock:
             return any(k[0] == engine_id for k in self._peers)
 
+    def loaded_since(self, engine_id: str) -> float | None:
+        """See :meth:`AgentService.loaded_since`."""
+        with self._core.lock:
+            return max((p.loaded_at for k, p in self._peers.items() if k[0] == engine_id),
+                       default=None)
+
     def clock_offset(self, engine_id: str) -> ClockOffset | None:
         """See :meth:`AgentService.clock_offset`."""
         with self._core.lock:

@@ -150,7 +150,8 @@ class SideChannelClient:
         replies = []
         for pp_rank, tp_rank in targets:
             frames, t_send, t_recv = self._round_trip(
-                endpoint, pp_rank, tp_rank, deadline, timeout_s
+                endpoint, encode_request(pp_rank, tp_rank), deadline, timeout_s,
+                f"(pp_rank, tp_rank) = ({pp_rank}, {tp_rank})",
             )
             if len(frames) != 2:
                 self._discard(endpoint)
@@ -176,8 +177,18 @@ class SideChannelClient:
             raise SideChannelError("fetch: targets is empty; give at least one (pp, tp) rank")
         return HandshakeResult(endpoint, tuple(replies))
 
+    def exchange(
+        self, host: str, port: int, request: bytes, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+        what: str = "a kvbridge request",
+    ) -> list[bytes]:
+        """Send one request frame other than a handshake's and return the reply's frames.
+        Only for a peer known to run kvbridge: vLLM's listener dies on such a request."""
+        endpoint = tcp_endpoint(host, port)
+        deadline = time.monotonic() + timeout_s
+        return self._round_trip(endpoint, request, deadline, timeout_s, what)[0]
+
     def _round_trip(
-        self, endpoint: str, pp_rank: int, tp_rank: int, deadline: float, timeout_s: float
+        self, endpoint: str, request: bytes, deadline: float, timeout_s: float, what: str
     ) -> tuple[list[bytes], float, float]:
         conn = self._conns.get(endpoint)
         if conn is None:
@@ -185,7 +196,6 @@ class SideChannelClient:
                 conn = self._conns[endpoint] = _Conn(self._ctx, endpoint, self._max_reply_bytes)
             except zmq.ZMQError as exc:
                 raise SideChannelError(f"side channel {endpoint}: cannot connect: {exc}") from exc
-        request = encode_request(pp_rank, tp_rank)
         poller = zmq.Poller()
         poller.register(conn.sock, zmq.POLLIN)
         poller.register(conn.monitor, zmq.POLLIN)
@@ -216,7 +226,7 @@ class SideChannelClient:
                 "there, or unreachable)"
             )
         raise HandshakeTimeoutError(
-            f"side channel {endpoint}: no reply for (pp_rank, tp_rank) = ({pp_rank}, {tp_rank}) "
+            f"side channel {endpoint}: no reply for {what} "
             f"within the {timeout_s:g} s deadline: {why}",
             endpoint=endpoint,
             connected=connected,

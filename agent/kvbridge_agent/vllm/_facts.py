@@ -41,6 +41,7 @@ __all__ = [
     "VllmEngineFacts",
     "read_engine_facts",
     "refuse_unsupported",
+    "static_peer",
 ]
 
 ROLE_BY_KV_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "decode"}
@@ -179,3 +180,19 @@ def read_engine_facts(vllm_config: Any, engine_id: str, kv_cache_config: Any
         layers=layers, extra=extra,
         kv_events_port=kv_events_port(getattr(vllm_config, "kv_events_config", None),
                                       int(vllm_config.parallel_config.data_parallel_index)))
+
+
+def static_peer(item: Any) -> dict[str, Any]:
+    """One ``kvbridge_peers`` entry, checked: ``engine_id``, ``host``, ``port``, ``tp_size``."""
+    where = "kv_connector_extra_config.kvbridge_peers"
+    if not isinstance(item, dict) or not {"engine_id", "host", "port"} <= set(item):
+        raise UnsupportedVllmSettingError(
+            f"{where}: expected objects with engine_id, host, port (and tp_size), got {item!r}")
+    unknown = set(item) - {"engine_id", "host", "port", "tp_size"}
+    if unknown:
+        raise UnsupportedVllmSettingError(f"{where}: unknown keys {sorted(unknown)} in {item!r}")
+    try:
+        return {"engine_id": str(item["engine_id"]), "host": str(item["host"]),
+                "port": int(item["port"]), "tp_size": int(item.get("tp_size", 1))}
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedVllmSettingError(f"{where}: {item!r}: {exc}") from exc

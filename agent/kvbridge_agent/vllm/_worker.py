@@ -6,9 +6,9 @@ class is that worker. Per engine step:
 - ``start_load_kv(metadata)``: pulls for ``reqs_to_recv`` (after an on-demand handshake in
   the background if the remote is not loaded yet, none if the operator's preflight loaded
   it), each declined instead when the prefill's stated lease deadline has passed
-  (:mod:`._lease`; the request then follows ``kv_load_failure_policy``), lease
-  bookkeeping for ``reqs_in_batch`` / ``reqs_to_send`` (the prefill side), and
-  the heartbeats vLLM's scheduler asks for;
+  (:mod:`._lease`) or a kvbridge prefill serves another model (:mod:`._peer_models`; the
+  request then follows ``kv_load_failure_policy``), lease bookkeeping for
+  ``reqs_in_batch`` / ``reqs_to_send`` (the prefill side), and the heartbeats;
 - ``get_transfer_results()``: finished and failed receives and the requests whose blocks
   may be freed (every consumer notified, or the lease expired), in vLLM's terms. A failed
   pull never notifies the producer; for models without the hybrid allocator its blocks
@@ -46,7 +46,8 @@ from .. import metrics
 from ..geometry import handshake_target_ranks
 from ..resources import HANDSHAKE_TIMEOUT_S, ROLES, TRANSFER_TIMEOUT_S
 from ..service import AgentService, AgentSettings, EngineInfo, PeerRef
-from ._facts import UnsupportedVllmSettingError, VllmEngineFacts, read_engine_facts
+from ._facts import UnsupportedVllmSettingError as _Refused
+from ._facts import VllmEngineFacts, read_engine_facts, static_peer
 from ._layers import LayerCache, layer_views
 from ._lease import (
     DEFAULT_LEASE_MARGIN_S,
@@ -56,7 +57,8 @@ from ._lease import (
     read_deadline,
 )
 from ._model import vllm_model_identity
-from ._scheduler import LEASE_EXTENSIONS_ATTR
+from ._peer_models import PeerModels
+from ._scheduler import IDENTITY_PEERS_ATTR, LEASE_EXTENSIONS_ATTR
 
 if TYPE_CHECKING:
     from ..kube import PodDuties
@@ -76,22 +78,6 @@ class _Handshake:
     message: str = ""
 
 
-def _static_peer(item: Any) -> dict[str, Any]:
-    """One ``kvbridge_peers`` entry, checked: ``engine_id``, ``host``, ``port``, ``tp_size``."""
-    where = "kv_connector_extra_config.kvbridge_peers"
-    if not isinstance(item, dict) or not {"engine_id", "host", "port"} <= set(item):
-        raise UnsupportedVllmSettingError(
-            f"{where}: expected objects with engine_id, host, port (and tp_size), got {item!r}")
-    unknown = set(item) - {"engine_id", "host", "port", "tp_size"}
-    if unknown:
-        raise UnsupportedVllmSettingError(f"{where}: unknown keys {sorted(unknown)} in {item!r}")
-    try:
-        return {"engine_id": str(item["engine_id"]), "host": str(item["host"]),
-                "port": int(item["port"]), "tp_size": int(item.get("tp_size", 1))}
-    except (TypeError, ValueError) as exc:
-        raise UnsupportedVllmSettingError(f"{where}: {item!r}: {exc}") from exc
-
-
 class KVBridgeWorker:
     """The worker half of :class:`~kvbridge_agent.vllm.KVBridgeConnector` (one TP rank)."""
 
@@ -106,10 +92,9 @@ class KVBridgeWorker:
         extra = self.facts.extra
         self.role = os.environ.get(names.ROLE) or self.facts.role
         if self.role not in ROLES:
-            raise UnsupportedVllmSettingError(
-                f"KVBRIDGE_ROLE={self.role!r}: expected 'prefill' or 'decode'")
+            raise _Refused(f"KVBRIDGE_ROLE={self.role!r}: expected 'prefill' or 'decode'")
         if self.facts.kv_role == "kv_producer" and self.role == "decode":
-            raise UnsupportedVllmSettingError(
+            raise _Refused(
                 "KVBRIDGE_ROLE='decode' with kv_role='kv_producer': a producer never pulls; "
                 "use kv_role 'kv_consumer' or 'kv_both'")
         self.transfer_timeout_s = float(
@@ -119,7 +104,7 @@ class KVBridgeWorker:
         self.lease_s = float(extra.get("kv_lease_duration", 30))
         self.lease_margin_s = float(extra.get("kvbridge_lease_margin_s", DEFAULT_LEASE_MARGIN_S))
         if self.lease_s <= 0 or self.lease_margin_s < 0:
-            raise UnsupportedVllmSettingError(
+            raise _Refused(
                 f"kv_lease_duration={self.lease_s}, kvbridge_lease_margin_s="
                 f"{self.lease_margin_s}: expected a lease > 0 and a margin >= 0 (seconds)")
         self.enforce_hash = bool(extra.get("enforce_handshake_compat", True))
@@ -144,9 +129,10 @@ class KVBridgeWorker:
         self._extensions: dict[str, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.static_peers = [_static_peer(p) for p in extra.get("kvbridge_peers") or ()]
+        self.static_peers = [static_peer(p) for p in extra.get("kvbridge_peers") or ()]
         #: what the KVEndpoint says this engine serves (kvbridge_model_digest)
         self.identity = vllm_model_identity(vllm_config, extra, vllm.__version__)
+        self.models = PeerModels(self.identity, self.handshake_timeout_s)   # kvbridge peers'
 
     # -- registration ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -158,7 +144,7 @@ class KVBridgeWorker:
                   for name, tensor in kv_caches.items()
                   if (spec := f.layers.get(name)) is not None]
         if not layers:
-            raise UnsupportedVllmSettingError(
+            raise _Refused(
                 "KVBridgeConnector: no KV cache layer to register (no attention layers?)")
         env = os.environ
         host = envs.VLLM_NIXL_SIDE_CHANNEL_HOST
@@ -219,7 +205,7 @@ class KVBridgeWorker:
         if names.in_pod(env):
             transfer = env.get(names.TRANSFER, "")
             if not transfer:
-                raise UnsupportedVllmSettingError(
+                raise _Refused(
                     f"{names.TRANSFER} is not set: in a pod ({names.POD_NAME} and "
                     f"{names.POD_UID} set) the connector publishes a KVEndpoint and needs the "
                     "name of its KVTransfer")
@@ -246,11 +232,14 @@ class KVBridgeWorker:
         svc = self._svc()
         self._drain_handshakes()
         self._extensions.update(getattr(metadata, LEASE_EXTENSIONS_ATTR, None) or {})
+        marked = getattr(metadata, IDENTITY_PEERS_ATTR, None) or ()
         for req_id, meta in metadata.reqs_to_recv.items():
             remote = meta.remote
             assert remote is not None
             if meta.awaiting_kvs or any(meta.local_block_ids):
                 self._recving[req_id] = meta
+            if req_id in marked:   # a kvbridge prefill: its model is checked before a read
+                self.models.mark(remote.engine_id)
             if svc.has_remote(remote.engine_id):
                 self._start_pull(req_id, meta)
             else:
@@ -270,8 +259,15 @@ class KVBridgeWorker:
         remote = meta.remote
         assert remote is not None
         svc = self._svc()
+        if not self.models.settled(remote.engine_id, svc.loaded_since(remote.engine_id)):
+            self._awaiting_handshake.setdefault(remote.engine_id, []).append((req_id, meta))
+            return self._ensure_handshake(remote.engine_id, remote.host, remote.port,
+                                          meta.tp_size)
         extension = self._extensions.pop(req_id, None)
         sent = self._heartbeats.take(remote.engine_id, remote.request_id)
+        if self.models.declines(remote.engine_id, req_id):
+            self._failed.add(req_id)   # as a late read: kv_load_failure_policy applies
+            return
         timeout = None
         if remote.blocks_expiry_time is not None and any(meta.local_block_ids):
             decision = self._lease_decision(req_id, meta, extension, sent)
@@ -309,6 +305,7 @@ class KVBridgeWorker:
                    f"{self.lease_margin_s + clock.error_s:.3f} s (kvbridge_lease_margin_s "
                    f"{self.lease_margin_s} + clock error {clock.error_s:.6f})")
         metrics.LATE_READS.inc()
+        metrics.READS_DECLINED.labels("late_read").inc()
         log.warning("declining the read of request %s from engine %s (remote request %s): "
                     "%s; its blocks may be freed or reused, so kv_load_failure_policy "
                     "applies", req_id, remote.engine_id, remote.request_id, why)
@@ -331,7 +328,13 @@ class KVBridgeWorker:
         return result.ok, result.message
 
     def _handshake(self, engine_id: str, host: str, port: int, tp_size: int) -> None:
-        result = self._handshake_now(engine_id, host, port, tp_size)
+        """Handshake unless loaded, then check the model of a kvbridge peer if due."""
+        result = _Handshake(engine_id, True)
+        if not self._svc().has_remote(engine_id):
+            result = self._handshake_now(engine_id, host, port, tp_size)
+        generation = self._svc().loaded_since(engine_id)   # a kvbridge peer: its model
+        if result.ok and (why := self.models.check(engine_id, host, port, generation)):
+            result = _Handshake(engine_id, False, why)
         with self._lock:
             self._handshaking.discard(engine_id)
         self._handshakes.append(result)
