@@ -267,8 +267,11 @@ def selectors(expr: str) -> list[str]:
 
 def signal(expr: str) -> str | None:
     """An alert expression without its final threshold (``X > 0.1`` -> ``X``; ``absent(X)``
-    -> ``X``): what must return data while things are healthy. None for compound ones."""
+    -> ``X``): what must return data while things are healthy. None for compound ones: a
+    set operation (``A > 0 unless B``) is empty while things are healthy by design."""
     e = " ".join(expr.split())
+    if re.search(r"\s(?:unless|and|or)\s", e):
+        return None
     m = re.fullmatch(r"absent\((.*)\)", e)
     if m:
         return m.group(1)
