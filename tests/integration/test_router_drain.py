@@ -110,8 +110,8 @@ def test_a_router_drains_on_sigterm() -> None:
     async def scenario(engine: SlowEngine) -> None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = start(engine, "--port", str(port), "--drain-delay-seconds", "2",
-                     "--drain-grace-seconds", "20")  # fmt: skip
+        proc = start(engine, "--port", str(port), "--drain-delay-seconds", "3",
+                     "--drain-grace-seconds", "30")  # fmt: skip
         try:
             await until(lambda: status(f"{url}/ready", 200), step=0.1)
             in_flight = [asyncio.create_task(complete(url, "12 0.3", stream=True)),
@@ -121,13 +121,12 @@ def test_a_router_drains_on_sigterm() -> None:
             loop = asyncio.get_running_loop()
             signalled = loop.time()
             proc.send_signal(signal.SIGTERM)
-            await until(lambda: status(f"{url}/ready", 503), timeout=1)
+            await until(lambda: status(f"{url}/ready", 503), timeout=2)   # at once
             assert await status(f"{url}/health") == 200
             # The delay: a new request is still served in full.
             code, text = await complete(url, "3 0.05", stream=True)
             assert code == 200 and events(text)[-1] == "[DONE]" and len(events(text)) == 4
-            assert loop.time() - signalled < 2
-            await until(lambda: loop.time() - signalled > 2.5)
+            await until(lambda: loop.time() - signalled > 3.5)
             with pytest.raises(aiohttp.ClientConnectionError):     # the listener is closed
                 await complete(url, "1 0")
             (c1, streamed), (c2, fanned), (c3, whole) = await asyncio.gather(*in_flight)
@@ -138,7 +137,7 @@ def test_a_router_drains_on_sigterm() -> None:
             assert json.loads(whole)["choices"][0]["text"].split() == [
                 f"w{i}" for i in range(12)]
             await until(lambda: proc.poll() is not None, timeout=5)
-            assert loop.time() - signalled < 10        # when they were done, not the grace
+            assert loop.time() - signalled < 15        # when they were done, not the grace
             code, log = exited(proc)
             assert code == 0 and "drained: 0 request(s) cut" in log, log
             assert engine.aborted == 0
@@ -227,7 +226,7 @@ def test_a_picker_drains_on_sigterm(picker_ports: tuple[int, int]) -> None:
     async def scenario(engine: SlowEngine) -> None:
         address = f"127.0.0.1:{picker_ports[0]}"
         ready = f"http://127.0.0.1:{picker_ports[1]}/ready"
-        proc = start_picker(engine, picker_ports, "2", "20")
+        proc = start_picker(engine, picker_ports, "3", "30")
         try:
             await until(lambda: serving(address), step=0.1)
             async with grpc.aio.insecure_channel(address) as channel:
@@ -237,7 +236,7 @@ def test_a_picker_drains_on_sigterm(picker_ports: tuple[int, int]) -> None:
                 loop = asyncio.get_running_loop()
                 signalled = loop.time()
                 proc.send_signal(signal.SIGTERM)
-                await until(lambda: health(channel, "readiness", NOT_SERVING), timeout=1)
+                await until(lambda: health(channel, "readiness", NOT_SERVING), timeout=2)
                 assert await health(channel, "liveness") == SERVING
                 assert await status(ready) == 503
                 # The delay: a new stream still gets its pick.
@@ -246,8 +245,8 @@ def test_a_picker_drains_on_sigterm(picker_ports: tuple[int, int]) -> None:
                 await late.write(response_end())
                 await late.read()
                 await late.done_writing()
-                assert loop.time() - signalled < 2
-                await until(lambda: loop.time() - signalled > 2.5)
+                assert await late.code() == grpc.StatusCode.OK
+                await until(lambda: loop.time() - signalled > 3.5)
                 assert not await serving(address)             # no new connection
                 # The open stream goes on to its end.
                 await open_stream.write(ep.ProcessingRequest(response_headers=ep.HttpHeaders()))
@@ -258,7 +257,7 @@ def test_a_picker_drains_on_sigterm(picker_ports: tuple[int, int]) -> None:
                 await open_stream.done_writing()
                 assert await open_stream.code() == grpc.StatusCode.OK
             await until(lambda: proc.poll() is not None, timeout=5)
-            assert loop.time() - signalled < 10
+            assert loop.time() - signalled < 15        # when it was done, not the grace
             code, log = exited(proc)
             assert code == 0 and "drained: 0 stream(s) cut" in log, log
         finally:
