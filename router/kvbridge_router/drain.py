@@ -45,7 +45,7 @@ from .client_errors import error_body
 from .flow import CHAT, COMPLETIONS
 from .upstream import SSE, error_response
 
-__all__ = ["SHUTDOWN", "Drain", "DrainSettings", "pause", "settle"]
+__all__ = ["CUT_WAIT_S", "SHUTDOWN", "Drain", "DrainSettings", "pause", "settle"]
 
 log = logging.getLogger("kvbridge.router")
 
@@ -129,10 +129,6 @@ class Drain:
         app.on_response_prepare.append(self._prepared)
         return app
 
-    @property
-    def in_flight(self) -> set[asyncio.Task[Any]]:
-        return self._tasks
-
     async def shut_down(self, runner: web.AppRunner, hurry: asyncio.Event | None = None
                         ) -> int:  # fmt: skip
         """The drain (module docstring), then the runner's cleanup; the requests cut."""
@@ -161,7 +157,7 @@ class Drain:
 
     async def _prepared(self, request: web.Request, response: web.StreamResponse) -> None:
         request[_PREPARED] = response
-        if self.draining:   # the hook runs after aiohttp wrote its headers, before they go out
+        if self.draining:   # aiohttp has set its Connection header by now, not yet sent it
             response.force_close()
             response.headers["Connection"] = "close"
 
