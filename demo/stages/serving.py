@@ -130,6 +130,9 @@ def show_router(cluster: kc.LocalCluster, helm: Path, core: Any, bad: str) -> No
         [str(helm), "upgrade", RELEASE, str(REPO / "charts" / "kvbridge"), "--kubeconfig",
          str(cluster.kubeconfig), "-n", SYS_NS, "--reuse-values", "--set", "router.enabled=true",
          "--set", f"router.transfer={vp.TRANSFER}", "--set", f"router.namespace={NS}",
+         # One router pod (the chart runs two): its counters, read through the Service, are
+         # then every request's.
+         "--set", "router.replicas=1",
          "--wait", "--timeout=180s"], check=True, capture_output=True, text=True, timeout=240)
     service = core.read_namespaced_service(f"{RELEASE}-router", NS)
     router = f"http://{service.spec.cluster_ip}:{service.spec.ports[0].port}"

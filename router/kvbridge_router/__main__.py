@@ -22,6 +22,7 @@ from aiohttp import web
 from . import metrics as m
 from .affinity import TrackingSettings
 from .balance import POLICIES, ChooserSettings
+from .drain import Drain, DrainSettings
 from .proxy import Router, RouterSettings
 from .sidecar import PREFILL_HEADERS, WITHOUT_HEADER, Sidecar, SidecarSettings
 from .watch import TransferWatch
@@ -51,6 +52,18 @@ def _common(p: argparse.ArgumentParser, port: int) -> None:
                    "(default %(default)s)")
     p.add_argument("--kubeconfig", help="default: $KUBECONFIG, else the pod's token")
     p.add_argument("--log-level", default="INFO")
+
+
+def _drain(p: argparse.ArgumentParser, what: str) -> None:
+    defaults = DrainSettings()
+    g = p.add_argument_group("draining on SIGTERM (docs/operations.md)")
+    g.add_argument("--drain-delay-seconds", type=float, default=defaults.delay_s,
+                   help=f"from SIGTERM, how long readiness is false while {what} are still "
+                   "taken, so that the Service stops sending before the listener closes "
+                   "(default %(default)s)")
+    g.add_argument("--drain-grace-seconds", type=float, default=defaults.grace_s,
+                   help=f"then, how long {what} in flight get to finish; those still open "
+                   "are cut with an error (default %(default)s)")
 
 
 def _lease(p: argparse.ArgumentParser) -> None:
@@ -186,6 +199,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                        help="the InferencePool's target port on decode pods, where their "
                        "sidecar listens (default %(default)s)")
         _prefill_headers(p, "that name")
+        _drain(p, "ext_proc streams (requests)")
         _choice(p)
     elif mode == "sidecar":
         p = argparse.ArgumentParser(
@@ -203,6 +217,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                        help="a request that names no prefill: refuse it (400, the default) or "
                        "serve it from this pod's engine alone (local)")
         _prefill_headers(p, "to read")
+        _drain(p, "requests")
     else:
         p = argparse.ArgumentParser(
             prog="kvbridge-router",
@@ -213,9 +228,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         _common(p, 8080)
         _lease(p)
         _front_door(p)
+        _drain(p, "requests")
         _choice(p)
     args = p.parse_args(argv)
     args.mode = mode
+    try:
+        args.drain = DrainSettings(args.drain_delay_seconds, args.drain_grace_seconds)
+    except ValueError as exc:
+        p.error(f"--{str(exc).replace('_', '-')}")
     if mode != "sidecar":
         args.chooser, args.tracking = _choice_settings(args, p)
     if mode != "epp" and args.lease_margin_seconds >= args.lease_seconds:
@@ -228,17 +248,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-async def _until_signalled() -> None:
-    stop = asyncio.Event()
+async def _until_signalled(again: asyncio.Event | None = None) -> asyncio.Event:
+    """Until SIGTERM or SIGINT; the event returned (``again``) is set by the next one (the
+    drain's ``hurry``: a second signal ends the drain at once)."""
+    first, again = asyncio.Event(), again or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+        loop.add_signal_handler(sig, lambda: (again if first.is_set() else first).set())
+    await first.wait()
+    return again
 
 
 async def _serve_http(app: web.Application, host: str, port: int) -> web.AppRunner:
     # A client that goes away cancels its handler: the decode connection closes with it.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # Requests are drained before the runner's cleanup (drain.py), which then waits little.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner
@@ -262,11 +286,13 @@ async def serve(args: argparse.Namespace) -> None:
                 args.without_prefill_header))
         else:
             router = Router(lambda: watch.table, settings)
-        runner = await _serve_http(router.app(), args.host, args.port)
+        drain = Drain(args.drain)
+        runner = await _serve_http(drain.install(router.app(), router.health), args.host,
+                                   args.port)  # fmt: skip
         log.info("%s for KVTransfer %s/%s on %s:%d", args.mode, namespace, args.transfer,
                  args.host, args.port)
-        await _until_signalled()
-        await runner.cleanup()
+        hurry = await _until_signalled()
+        await drain.shut_down(runner, hurry)
     watch.stop()
 
 
@@ -278,18 +304,27 @@ async def _serve_picker(args: argparse.Namespace, watch: TransferWatch) -> None:
         target_port=args.target_port, engine_port=args.engine_port,
         prefill_headers=args.prefill_headers), args.chooser, args.tracking)
     await picker.start()
-    # /metrics and /health over HTTP, as the router serves them.
+    # /metrics and /health over HTTP, as the router serves them, and /ready: gRPC readiness
+    # (for Kubernetes < 1.24, which has no gRPC probes).
     status = Router(lambda: watch.table, RouterSettings(engine_port=args.engine_port))
-    runner = await _serve_http(status.status_app(), args.host, args.metrics_port)
-    stop = asyncio.Event()
+    app = status.status_app()
+
+    async def ready(_request: web.Request) -> web.Response:
+        why = "draining" if picker.draining else "" if watch.synced else "not listed yet"
+        return web.json_response({"status": why or "ok"}, status=503 if why else 200)
+
+    app.router.add_get("/ready", ready)
+    runner = await _serve_http(app, args.host, args.metrics_port)
+    stop, hurry = asyncio.Event(), asyncio.Event()
     grpc_task = asyncio.create_task(serve_grpc(
-        picker, f"{args.host}:{args.port}", lambda: watch.synced, stop))
+        picker, f"{args.host}:{args.port}", lambda: watch.synced, stop, args.drain, hurry))
     logging.getLogger("kvbridge.picker").info(
         "endpoint picker for KVTransfer %s/%s: ext_proc on %s:%d, metrics on :%d, decodes' "
         "target port %d", watch.namespace, args.transfer, args.host, args.port,
         args.metrics_port, args.target_port)
-    signalled = asyncio.create_task(_until_signalled())
+    signalled = asyncio.create_task(_until_signalled(hurry))
     await asyncio.wait({grpc_task, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
     stop.set()
     await grpc_task
     await picker.close()

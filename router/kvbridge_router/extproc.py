@@ -17,6 +17,14 @@ revision). The engines the stream named count as busy
 gRPC health: ``liveness`` always SERVING; ``readiness`` and the ext_proc service SERVING once
 the KVTransfer and its KVEndpoints are listed (a pool with no verified pair is still ready:
 its requests get a 503 that says why).
+
+Draining (``serve_grpc`` with ``drain``; the router's rules, drain.py): from SIGTERM readiness
+and the ext_proc service are NOT_SERVING (liveness stays SERVING) while new streams are still
+served for the drain delay; then the server stops (no new streams; GOAWAY, so the gateway
+opens its next streams elsewhere) and the open streams, each one request whose response may
+still be streaming through, get the drain grace. A stream still open then is cancelled, which
+the gateway (FailClose) turns into a failed request: a 500 before the response started, a
+reset stream after; never a shortened answer that ends cleanly.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from . import metrics as m
 from .affinity import CacheTracker, TrackingSettings
 from .balance import REVISION_HEADER, Balancer, ChooserSettings, Pair, Prompt
+from .drain import CUT_WAIT_S, DrainSettings, pause, settle
 from .picker import (
     LB_NAMESPACE,
     PAIR_HEADER,
@@ -124,6 +133,10 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         self._stop = asyncio.Event()
         self._tracking: asyncio.Task[None] | None = None
         self._last_refusal = ""
+        #: from SIGTERM on (serve_grpc's drain)
+        self.draining = False
+        #: the tasks of the open streams (``Process``)
+        self.streams: set[asyncio.Task[object]] = set()
 
     async def start(self) -> None:
         """Start following the engines' caches and loads (cache-aware only)."""
@@ -144,6 +157,9 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         held: ep.ProcessingRequest | None = None   # request headers waiting for the body
         body = bytearray()
         m.PICKER_STREAMS.inc()
+        task = asyncio.current_task()
+        if task is not None:
+            self.streams.add(task)
         try:
             async for request in request_iterator:
                 kind = request.WhichOneof("request")
@@ -192,6 +208,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                     yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
         finally:
             m.PICKER_STREAMS.dec()
+            if task is not None:
+                self.streams.discard(task)
             if busy is not None:
                 self._release(busy)
 
@@ -249,8 +267,10 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
 
 
 async def serve_grpc(picker: EndpointPicker, address: str, synced: Callable[[], bool],
-                     stop: asyncio.Event) -> None:  # fmt: skip
-    """Serve ext_proc and gRPC health on ``address`` until ``stop`` is set."""
+                     stop: asyncio.Event, drain: DrainSettings | None = None,
+                     hurry: asyncio.Event | None = None) -> None:  # fmt: skip
+    """Serve ext_proc and gRPC health on ``address`` until ``stop`` is set, then drain (module
+    docstring; without ``drain``, open streams get 5 s); ``hurry`` ends the drain at once."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
     checks = health.aio.HealthServicer()
@@ -270,6 +290,31 @@ async def serve_grpc(picker: EndpointPicker, address: str, synced: Callable[[], 
                 ready = now
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
+        if drain is not None:
+            await _drain(server, checks, picker, drain, hurry)
     finally:
         await server.stop(grace=5)
+
+
+async def _drain(server: grpc.aio.Server, checks: health.aio.HealthServicer,
+                 picker: EndpointPicker, drain: DrainSettings, hurry: asyncio.Event | None
+                 ) -> None:  # fmt: skip
+    picker.draining = True
+    m.PICKER_DRAINING.set(1)
+    for service in ("readiness", EXT_PROC_SERVICE, ""):
+        await checks.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    log.info("draining: gRPC readiness NOT_SERVING; taking streams for %g s more, then %d "
+             "open get %g s to finish", drain.delay_s, len(picker.streams), drain.grace_s)
+    await pause(drain.delay_s, hurry)
+    # No new streams from here on. The server's own grace outlasts ours, which cuts first:
+    # a second stop without a grace cancels the streams still open.
+    stopping = asyncio.create_task(server.stop(grace=drain.grace_s + CUT_WAIT_S))
+    cut = await settle(lambda: picker.streams, drain.grace_s, hurry)
+    if cut:
+        log.warning("drain grace (%g s) over: cancelling %d open stream(s)", drain.grace_s,
+                    len(cut))
+        m.PICKER_DRAIN_CUTS.inc(len(cut))
+        await server.stop(grace=None)
+    await stopping
+    log.info("drained: %d stream(s) cut", len(cut))
 

@@ -15,8 +15,10 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 #: to its end); rejected (the client's mistake: a 4xx from the router, the prefill or the
 #: decode); no_pair (503: nothing verified); failed (prefill or decode failed on every
 #: attempt); stream_error (the decode failed after the first byte: the stream ended with an
-#: error event); cancelled (the client went away before its answer was complete).
-OUTCOMES = ("answered", "rejected", "no_pair", "failed", "stream_error", "cancelled")
+#: error event); cancelled (the client went away before its answer was complete); shutdown
+#: (the router's drain grace ended first: a 503, or the stream ended with an error event).
+OUTCOMES = ("answered", "rejected", "no_pair", "failed", "stream_error", "cancelled",
+            "shutdown")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 REQUESTS = Counter(
@@ -46,6 +48,14 @@ VERIFIED_PAIRS = Gauge(
 OUTSTANDING = Gauge(
     "kvbridge_router_outstanding", "Requests in flight per engine", ["engine", "role"],
     registry=REGISTRY)
+DRAINING = Gauge(
+    "kvbridge_router_draining", "1 from SIGTERM until the process exits: /ready answers 503, "
+    "requests are still taken for the drain delay, then those in flight get the drain grace",
+    registry=REGISTRY)
+DRAIN_CUTS = Counter(
+    "kvbridge_router_drain_cut_requests", "Requests still in flight when the drain grace "
+    "ended, by stage (waiting: no answer started, answered 503; streaming: the stream ended "
+    "with an error event and no [DONE])", ["stage"], registry=REGISTRY)
 INFO = Gauge(
     "kvbridge_router_info", "The KVTransfer this router serves (always 1); join the other "
     "series with it by instance for their namespace and transfer", ["namespace", "transfer"],
@@ -67,6 +77,8 @@ def init_series() -> None:
         REQUESTS.labels(outcome, "", "", "")
     for stage in ("prefill", "decode", "lease"):
         RETRIES.labels(stage)
+    for stage in ("waiting", "streaming"):
+        DRAIN_CUTS.labels(stage)
     for policy in ("least-load", "cache-aware"):   # balance.POLICIES
         PICK_PROMPT_BLOCKS.labels(policy)
         for role in ("prefill", "decode"):
@@ -86,6 +98,13 @@ PICK_SECONDS = Histogram(
 PICKER_STREAMS = Gauge(
     "kvbridge_picker_streams", "ext_proc streams (requests) the gateway has open now",
     registry=REGISTRY)
+PICKER_DRAINING = Gauge(
+    "kvbridge_picker_draining", "1 from SIGTERM until the process exits: gRPC readiness is "
+    "NOT_SERVING, streams are still taken for the drain delay, then those open get the drain "
+    "grace", registry=REGISTRY)
+PICKER_DRAIN_CUTS = Counter(
+    "kvbridge_picker_drain_cut_streams", "ext_proc streams still open when the drain grace "
+    "ended, cancelled: the gateway fails their requests", registry=REGISTRY)
 
 # The pair chooser (balance.py), in every front that chooses: each decision's parts.
 BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)

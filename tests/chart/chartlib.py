@@ -37,7 +37,11 @@ K8S_120_KINDS = {
     ("admissionregistration.k8s.io/v1", "ValidatingWebhookConfiguration"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"),
+    ("policy/v1beta1", "PodDisruptionBudget"),
 }
+# Kinds the chart renders only for a cluster that serves them (an older version of the same
+# kind above otherwise), with the first Kubernetes version that does.
+NEWER_KINDS = {("policy/v1", "PodDisruptionBudget"): (1, 21)}
 # Kinds from CRDs: ours (crds/), the InferencePool (templates/inferencepool-crd.yaml, or the
 # gateway's own) and the optional integrations.
 CRD_KINDS = {
@@ -107,17 +111,21 @@ def render(
     include_crds: bool = False,
     namespace: str = NAMESPACE,
     api_versions: Sequence[str] = ("kopf.dev/v1",),
+    files: Sequence[Path] = (),
 ) -> list[dict[str, Any]]:
     """`helm template` the chart and return the objects (empty documents dropped).
 
     ``api_versions`` are the extra APIs the pretend cluster serves: by default the kopf.dev
-    API of the chart's own CRDs, as in a real `helm install`.
+    API of the chart's own CRDs, as in a real `helm install`. ``files``: more values files
+    (for values ``--set`` cannot give, such as fractional numbers).
     """
     args = ["template", RELEASE, str(CHART), "--namespace", namespace]
     for api in api_versions:
         args += ["--api-versions", api]
     if values:
         args += ["-f", str(values_file(values))]
+    for path in files:
+        args += ["-f", str(path)]
     for s in sets:
         args += ["--set", s]
     if kube_version:

@@ -22,6 +22,7 @@ from chartlib import (
     CRD_KINDS,
     K8S_120_KINDS,
     NAMESPACE,
+    NEWER_KINDS,
     REPO,
     HelmError,
     Rule,
@@ -93,6 +94,10 @@ def test_crds_are_identical_to_the_source() -> None:
 
 
 def _validate_k8s(obj: dict[str, Any]) -> None:
+    if (obj["apiVersion"], obj["kind"]) == ("policy/v1beta1", "PodDisruptionBudget"):
+        # What the chart renders for Kubernetes < 1.21 (maxUnavailable and a selector) means
+        # the same in policy/v1, which is as far back as kubernetes-validate goes.
+        obj = {**obj, "apiVersion": "policy/v1"}
     try:
         kubernetes_validate.validate(obj, VALIDATE_AS, strict=True)
     except kubernetes_validate.ValidationError as e:
@@ -137,10 +142,13 @@ def test_every_object_validates_strictly(name: str, rendered: dict) -> None:
     crd_schemas = _crd_schemas()
     objs = rendered[name]
     assert objs
+    kube = tuple(int(n) for n in CLUSTERS.get(name, ("1.20.2",))[0].split(".")[:2])
+    newer = {k for k, since in NEWER_KINDS.items() if kube >= since}
     for obj in objs:
         key = (obj["apiVersion"], obj["kind"])
-        assert key in K8S_120_KINDS | CRD_KINDS, f"{key} is not served by Kubernetes 1.20"
-        if key in K8S_120_KINDS:
+        assert key in K8S_120_KINDS | CRD_KINDS | newer, \
+            f"{key} is not served by Kubernetes 1.20 (nor by {kube}, where rendered for it)"
+        if key in K8S_120_KINDS | newer:
             _validate_k8s(obj)
         elif key in crd_schemas:
             jsonschema.validate(obj, crd_schemas[key])
@@ -419,7 +427,7 @@ def test_containers_are_locked_down(name: str, rendered: dict) -> None:
         assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
         assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
         if c["name"] == "router":
-            assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+            assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
             continue
         if c["name"] == "epp":
             assert c["readinessProbe"]["grpc"]["service"] == "readiness"
@@ -776,8 +784,9 @@ def test_router(rendered: dict) -> None:
     assert container["command"][0] == "kvbridge-router"
     assert "--transfer=llama-70b" in container["command"]
     assert "--namespace=serving" in container["command"]
-    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert spec["serviceAccountName"] == "kvbridge-router"
+    _check_drains(objs, dep, "router", "policy/v1beta1")      # rendered for Kubernetes 1.20
     role = one(objs, "Role", "kvbridge-router")
     assert role["metadata"]["namespace"] == "serving"
     assert expand_rules(role["rules"]) == expand_rules([{
@@ -792,6 +801,31 @@ def test_router(rendered: dict) -> None:
     assert monitor["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
     assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "http"
     assert not [o for o in rendered["defaults"] if "router" in o["metadata"]["name"]]
+
+
+def _check_drains(objs: list[dict[str, Any]], dep: dict[str, Any], component: str,
+                  budget_version: str) -> None:  # fmt: skip
+    """Replicas that drain, with the defaults: two pods, a new one up before an old one goes,
+    a SIGTERM drain of 5 + 25 s within the pod's grace period, preferably one pod per node, and
+    a budget of one pod down at a time."""
+    spec = dep["spec"]
+    pod = spec["template"]["spec"]
+    labels = spec["selector"]["matchLabels"]
+    assert labels["app.kubernetes.io/component"] == component
+    assert spec["replicas"] == 2
+    assert spec["strategy"] == {"type": "RollingUpdate",
+                                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    args = _cli(pod["containers"][0]["command"])
+    assert (args["drain"].delay_s, args["drain"].grace_s) == (5, 25)
+    assert pod["terminationGracePeriodSeconds"] == 40
+    spread = {"weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                                  "labelSelector": {"matchLabels": labels}}}
+    assert pod["affinity"] == {
+        "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [spread]}}
+    budget = one(objs, "PodDisruptionBudget", dep["metadata"]["name"])
+    assert budget["apiVersion"] == budget_version
+    assert budget["metadata"]["namespace"] == dep["metadata"]["namespace"]
+    assert budget["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": labels}}
 
 
 def test_router_needs_its_transfer() -> None:
@@ -855,7 +889,8 @@ def test_gateway(rendered: dict) -> None:
     assert container["command"] == [
         "kvbridge-router", "epp", "--transfer=llama-70b", "--namespace=serving", "--port=9002",
         "--metrics-port=9090", "--target-port=8000", "--engine-port=8000",
-        *DEFAULT_PAIR_CHOICE_ARGS]
+        "--drain-delay-seconds=5", "--drain-grace-seconds=25", *DEFAULT_PAIR_CHOICE_ARGS]
+    _check_drains(objs, dep, "endpoint-picker", "policy/v1")
     args = _cli(container["command"])
     assert (args["mode"], args["transfer"], args["namespace"], args["port"],
             args["metrics_port"], args["target_port"], args["engine_port"]) == (
@@ -1013,12 +1048,45 @@ def test_gateway_refuses_incomplete_values(sets: list[str], kube_version: str | 
     assert fragment in str(err.value), str(err.value)
 
 
-def test_gateway_probes_before_kubernetes_1_24_are_tcp() -> None:
-    """No gRPC probes before 1.24 (the local test node's 1.20): the gRPC port stands in."""
-    container = _picker(render(sets=GATEWAY_SETS, kube_version="1.20.2"))
-    assert container["readinessProbe"]["tcpSocket"] == {"port": 9002}
+def test_gateway_probes_before_kubernetes_1_24() -> None:
+    """No gRPC probes before 1.24 (the local test node's 1.20): /ready on the metrics port
+    (false while draining) for readiness, the gRPC port accepting connections for liveness."""
+    objs = render(sets=GATEWAY_SETS, kube_version="1.20.2")
+    container = _picker(objs)
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "metrics"}
     assert container["livenessProbe"]["tcpSocket"] == {"port": 9002}
     assert "grpc" not in container["readinessProbe"]
+    assert one(objs, "PodDisruptionBudget", "kvbridge-epp")["apiVersion"] == "policy/v1beta1"
+
+
+@pytest.mark.parametrize(("component", "sets", "name"), [
+    ("router", ["router.enabled=true", "router.transfer=t"], "kvbridge-router"),
+    ("gateway", GATEWAY_SETS, "kvbridge-epp")])
+def test_drain_values_reach_the_pods(component: str, sets: list[str], name: str,
+                                     tmp_path: Path) -> None:  # fmt: skip
+    """Every drain value lands where it is used: the flags, a grace period that outlasts the
+    drain (rounded up, plus 10 s), the budget (a percentage kept a string; none when
+    disabled), an affinity of one's own instead of the spread."""
+    values = tmp_path / "drain.yaml"
+    values.write_text(yaml.safe_dump({component: {
+        "replicas": 3, "drain": {"delaySeconds": 2.5, "graceSeconds": 120.2},
+        "podDisruptionBudget": {"maxUnavailable": "50%"},
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "pool", "operator": "In", "values": ["cpu"]}]}]}}}}}))
+    objs = render(sets=sets, files=[values], kube_version="1.29.0")
+    dep = one(objs, "Deployment", name)
+    pod = dep["spec"]["template"]["spec"]
+    args = _cli(pod["containers"][0]["command"])
+    assert (dep["spec"]["replicas"], args["drain"].delay_s, args["drain"].grace_s) == (
+        3, 2.5, 120.2)
+    assert pod["terminationGracePeriodSeconds"] == 133
+    assert list(pod["affinity"]) == ["nodeAffinity"]
+    budget = one(objs, "PodDisruptionBudget", name)
+    assert budget["apiVersion"] == "policy/v1" and budget["spec"]["maxUnavailable"] == "50%"
+    _validate_k8s(budget)
+    objs = render(sets=[*sets, f"{component}.podDisruptionBudget.enabled=false"])
+    assert not by_kind(objs, "PodDisruptionBudget")
 
 
 def test_gateway_example_fits_the_serving_pods() -> None:
@@ -1068,6 +1136,18 @@ def test_gateway_example_fits_the_serving_pods() -> None:
     assert picker["image"] == _command_image(render())
     assert picker["readinessProbe"] == chart_picker["readinessProbe"]
     assert picker["livenessProbe"] == chart_picker["livenessProbe"]
+    # Replicas that drain, as the chart's (selectors differ: the example's own labels).
+    chart_dep = one(chart, "Deployment", "kvbridge-epp")
+    for key in ("replicas", "strategy"):
+        assert dep["spec"][key] == chart_dep["spec"][key], key
+    pod, chart_pod = dep["spec"]["template"]["spec"], chart_dep["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == chart_pod["terminationGracePeriodSeconds"]
+    spread = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert spread[0]["podAffinityTerm"]["labelSelector"]["matchLabels"] == \
+        dep["spec"]["selector"]["matchLabels"]
+    budget, chart_budget = one(items, "PodDisruptionBudget"), one(chart, "PodDisruptionBudget")
+    assert budget["spec"]["selector"] == dep["spec"]["selector"]
+    assert budget["spec"]["maxUnavailable"] == chart_budget["spec"]["maxUnavailable"]
     assert [(p["name"], p["containerPort"]) for p in picker["ports"]] == [
         (p["name"], p["containerPort"]) for p in chart_picker["ports"]]
     assert picker["securityContext"]["readOnlyRootFilesystem"] is True

@@ -29,6 +29,7 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbridge_router.balance import ChooserSettings
+from kvbridge_router.drain import DrainSettings
 from kvbridge_router.extproc import BODY_CHUNK, EXT_PROC_SERVICE, EndpointPicker, serve_grpc
 from kvbridge_router.picker import PAIR_HEADER, PickerSettings
 from kvbridge_router.proxy import RouterSettings
@@ -52,7 +53,8 @@ DECODE_VLLM_PORT = free_port()
 @dataclass
 class FakeEngine:
     """One engine: a prefill answers with kv_transfer_params naming itself, a decode with the
-    pair ("p0->d1"), streamed in three SSE chunks when asked to stream."""
+    pair ("p0->d1"), streamed in three SSE chunks when asked to stream (0.05 s apart; a
+    prompt "slow N" puts N seconds between them)."""
 
     name: str
     role: str
@@ -86,9 +88,11 @@ class FakeEngine:
             return web.json_response({"choices": [{"index": 0, "text": text}]})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
+        slow = str(body.get("prompt", "")).split()
+        gap = float(slow[1]) if slow[:1] == ["slow"] else 0.05
         for piece in (text, " more", " end"):
             await out.write(f"data: {json.dumps({'choices': [{'text': piece}]})}\n\n".encode())
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(gap)
         await out.write(b"data: [DONE]\n\n")
         return out
 
@@ -115,13 +119,15 @@ class Pool:
     def table_now(self) -> RoutingTable:
         return self.table
 
-    async def start_picker(self, chooser: ChooserSettings | None = None) -> None:
+    async def start_picker(self, chooser: ChooserSettings | None = None,
+                           drain: DrainSettings | None = None) -> None:  # fmt: skip
         self.picker_stop = asyncio.Event()
         self.picker = EndpointPicker(self.table_now, PickerSettings(
             target_port=SIDECAR_PORT, engine_port=ENGINE_PORT), chooser)
         await self.picker.start()
         self.picker_task = asyncio.create_task(serve_grpc(
-            self.picker, f"127.0.0.1:{PICKER_PORT}", lambda: self.synced, self.picker_stop))
+            self.picker, f"127.0.0.1:{PICKER_PORT}", lambda: self.synced, self.picker_stop,
+            drain))
         await wait_grpc_serving()
 
     async def stop_picker(self) -> None:
@@ -284,6 +290,53 @@ def test_picker_down_fails_closed_and_recovers(envoy: Envoy) -> None:
         await p.start_picker()
         status, body, pair = await post(envoy.url, PROMPT)
         assert status == 200 and text_of(body) == pair
+    run(scenario)
+
+
+async def stream_text(url: str, prompt: str) -> tuple[int, list[str]]:
+    """A streamed completion's status and its events' data, as they came (an error in the
+    transfer ends the list with "<broken: ...>")."""
+    out: list[str] = []
+    async with aiohttp.ClientSession() as s, s.post(
+            f"{url}/v1/completions", json={**PROMPT, "prompt": prompt, "stream": True}) as r:
+        try:
+            async for line in r.content:
+                if line.startswith(b"data: "):
+                    out.append(line[6:].decode().strip())
+        except aiohttp.ClientError as exc:
+            out.append(f"<broken: {type(exc).__name__}>")
+        return r.status, out
+
+
+def test_a_draining_picker_lets_envoys_streams_finish(envoy: Envoy) -> None:
+    """The picker drained as on SIGTERM (extproc.py), behind a real Envoy: a request whose
+    answer is streaming through it finishes in full after the server stopped (its ext_proc
+    stream goes on), a request in the delay is served, one after it fails closed; with a
+    grace shorter than the stream, the client sees the stream broken, never a clean end."""
+    async def scenario(p: Pool) -> None:
+        await p.stop_picker()
+        await p.start_picker(drain=DrainSettings(delay_s=0.6, grace_s=5))
+        streaming = asyncio.create_task(stream_text(envoy.url, "slow 0.6"))
+        await asyncio.sleep(0.3)               # its first chunk is through
+        p.picker_stop.set()                     # SIGTERM
+        await asyncio.sleep(0.1)
+        assert await health("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert (await post(envoy.url, PROMPT))[0] == 200           # the delay
+        await asyncio.sleep(0.8)                # the server has stopped
+        assert (await post(envoy.url, PROMPT))[0] >= 500           # fail closed
+        status, events = await streaming
+        assert status == 200 and events[-1] == "[DONE]" and len(events) == 4, events
+        assert p.picker_task is not None
+        await asyncio.wait_for(p.picker_task, timeout=5)
+
+        await p.start_picker(drain=DrainSettings(delay_s=0.2, grace_s=0.5))
+        streaming = asyncio.create_task(stream_text(envoy.url, "slow 1"))
+        await asyncio.sleep(0.3)
+        p.picker_stop.set()
+        status, events = await streaming
+        assert status == 200 and "[DONE]" not in events, events
+        assert events[-1].startswith("<broken"), events
+        await asyncio.wait_for(p.picker_task, timeout=5)
     run(scenario)
 
 

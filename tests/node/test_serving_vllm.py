@@ -174,11 +174,12 @@ def test_incompatible_decode_is_refused_before_any_request(
 # -- the router (kvbridge-router from the chart) in front of these pods ------------------------
 @pytest.fixture(scope="module")
 def router(serving: dict[str, Any], api: Api, kube: Kube) -> Iterator[str]:
-    """The chart's router for the example KVTransfer; yields its Service's base URL."""
+    """The chart's router for the example KVTransfer; yields its Service's base URL. One
+    router pod (the chart runs two): the tests read its counters through the Service."""
     kube.helm("upgrade", RELEASE, str(CHART), "-n", OPERATOR_NS, "--reuse-values",
               "--set", "router.enabled=true", "--set", f"router.transfer={T}",
-              "--set", f"router.namespace={NS}", "--wait", "--timeout=180s",
-              timeout=240)  # fmt: skip
+              "--set", f"router.namespace={NS}", "--set", "router.replicas=1",
+              "--wait", "--timeout=180s", timeout=240)  # fmt: skip
     service = api.core.read_namespaced_service(f"{RELEASE}-router", NS)
     url = f"http://{service.spec.cluster_ip}:{service.spec.ports[0].port}"
     wait_for(lambda: vp.http_ok(f"{url}/health"), timeout=60, what="the router's Service")
