@@ -10,6 +10,9 @@ own compatibility hash misses. Then, as users run them:
   each answer equals the single-engine reference of the revision that served it (the router's
   ``x-kvbridge-revision`` header), and the KVTransfer's ``status.revisions`` shows the pairs
   per revision as the rollout goes;
+- ``kubectl rollout restart`` of the decode, then of the prefill Deployment: no request
+  fails or is answered wrong, and no engine takes a request before it is Ready or once it is
+  terminating (its own counters say so);
 - the decode Deployment alone rolled to revision C: the B prefill never serves a C decode;
   RevisionsMatched turns False (RevisionWithoutPrefill) and the operator's metrics hold what
   the KVBridgeRevisionWithoutPeer alert fires on; requests flow on the B pairs until the last
@@ -38,6 +41,7 @@ from kvbridge_agent.resources import revision_label
 from kvbridge_testkit import vllm_pods as vp
 from kvbridge_testkit.e2e import Api, wait_for
 from kvbridge_testkit.openai_load import LoadRecord, openai_load
+from kvbridge_testkit.pod_audit import pod_audit
 
 pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.nixl, pytest.mark.vllm,
               pytest.mark.slow, pytest.mark.timeout(1500)]  # fmt: skip
@@ -46,6 +50,7 @@ log = logging.getLogger(__name__)
 NS, T = AGENT_NS, vp.TRANSFER
 MAX_TOKENS = 8
 PROMPTS = vp.prompts(4, seed=35)
+PODS = f"app.kubernetes.io/name={T}"
 #: the test model's seed per revision (examples/serving/ as written is A)
 SEEDS = {"A": "9", "B": "10", "C": "11"}
 ROLLOUT_S = 900
@@ -174,7 +179,7 @@ def test_rollout_of_prefill_and_decode_to_new_weights_and_image(
     image = images["KVB_IMAGE_VLLM"].rsplit(":", 1)[0] + ":rollout-b"
     node.tag(images["KVB_IMAGE_VLLM"], image)
     with openai_load(stack.router, PROMPTS, MAX_TOKENS) as load, \
-            revision_history(api) as history:  # fmt: skip
+            revision_history(api) as history, pod_audit(api.core, NS, PODS) as audit:
         wait_for(lambda: len(load.answered) >= 8, timeout=120, what="answers at revision A")
         start = time.monotonic()
         apply(kube, at_revision(stack.docs["prefill"], "B", image))
@@ -195,11 +200,39 @@ def test_rollout_of_prefill_and_decode_to_new_weights_and_image(
              end - start, summary(load, start, end), [h for _, h in history])
     assert load.failed == [], load.failed[:5]
     assert load.wrong(stack.references) == []
+    assert audit.violations == {}, audit
     assert set(load.per_revision()) == {old, new}
     revisions = [h for _, h in history]
     assert revisions[0].get(old, (0, 0, 0))[2] > 0 and new not in revisions[0], revisions
     assert revisions[-1] == {new: (1, 2, 2)}, revisions
     assert any(old in h and new in h for h in revisions), revisions  # seen mid-rollout
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_rolling_restart_fails_no_request(api: Api, kube: Kube, stack: Stack, role: str
+                                          ) -> None:  # fmt: skip
+    """``kubectl rollout restart`` under load (issue #37): every request answered right, none
+    sent to a pod that is not Ready or is terminating; the longest time without an answer
+    is logged."""
+    before = {p.metadata.name for p in vp.role_pods(api.core, NS, role)}
+    with openai_load(stack.router, PROMPTS, MAX_TOKENS) as load, \
+            pod_audit(api.core, NS, PODS) as audit:
+        wait_for(lambda: len(load.answered) >= 8, timeout=120, what="answers before")
+        start = time.monotonic()
+        kube.kubectl("rollout", "restart", f"deployment/{T}-{role}", "-n", NS)
+        rolled_out(kube, role)
+        wait_for(lambda: health(stack.router).get("verifiedPairs") == 2, timeout=240,
+                 interval=1, what="the router with both pairs verified again")
+        end = time.monotonic()
+        answered = len(load.answered)
+        wait_for(lambda: len(load.answered) >= answered + 8, timeout=120, what="answers after")
+    log.info("rolling restart of the %s Deployment took %.0f s: %s; pods audited %s", role,
+             end - start, summary(load, start, end), audit)
+    assert not before & {p.metadata.name for p in vp.role_pods(api.core, NS, role)}
+    assert set(audit.terminating) == before, audit
+    assert load.failed == [], load.failed[:5]
+    assert load.wrong(stack.references) == []
+    assert audit.violations == {}, audit
 
 
 def _operator_series(api: Api, name: str) -> list[tuple[dict[str, str], float]]:
