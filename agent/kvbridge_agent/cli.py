@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from . import __version__, rules
+from .drain import add_drain_command
 from .errors import KVBridgeError
 from .protocol import (
     NIXL_CONNECTOR_VERSION,
@@ -360,7 +361,7 @@ def _add_fingerprint(sub: argparse._SubParsersAction) -> None:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_probe, _add_write_test_model, _add_fingerprint]
+    _add_probe, _add_write_test_model, _add_fingerprint, add_drain_command]
 """Each entry adds one subparser and sets ``func(args) -> int`` as its default."""
 
 

@@ -274,7 +274,10 @@ async def serve(args: argparse.Namespace) -> None:
     namespace = _namespace(args.namespace)
     m.INFO.labels(namespace, args.transfer).set(1)
     m.init_series()
-    watch = TransferWatch(api_client(args.kubeconfig), namespace, args.transfer).start()
+    # The sidecar checks the prefill the picker chose for its own decode: pods are the
+    # picker's business (it holds pairs of terminating or unready pods back).
+    watch = TransferWatch(api_client(args.kubeconfig), namespace, args.transfer,
+                          follow_pods=args.mode != "sidecar").start()
     log = logging.getLogger("kvbridge.router")
     if args.mode == "epp":
         await _serve_picker(args, watch)

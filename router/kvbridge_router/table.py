@@ -7,10 +7,13 @@ reports a ``Succeeded`` handshake with each of them at the epoch that prefill ra
 now; every rank of the prefill engine is ``Paired`` too. A restarted prefill (new epoch), a
 failed or missing handshake, an endpoint the operator refused, unpaired or marked stale, and an
 endpoint that is gone or terminating (its pod deleted) all take the pair out, and so do two
-engines of different model weights (``spec.model``), whatever the statuses say. Engines are
-grouped by ``spec.engineId``: with tensor parallelism each rank publishes an endpoint, and the
-engine serves HTTP on its pod's address. Every key and state is read through the agent's
-field tables (``kvbridge_agent.resources``), which the CRD test holds to the schema.
+engines of different model weights (``spec.model``), whatever the statuses say. A verified
+pair is *held back* while a pod of either engine is not Ready or is terminating (pod_state.py):
+it takes no new request until both pods are Ready again, or for good once one is deleted.
+Engines are grouped by ``spec.engineId``: with tensor parallelism each rank publishes an
+endpoint, and the engine serves HTTP on its pod's address. Every key and state is read
+through the agent's field tables (``kvbridge_agent.resources``), which the CRD test holds to
+the schema.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from kvbridge_agent.resources import (
     revision_label,
     same_model,
 )
+
+from .pod_state import PodState, unusable_pods
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +96,8 @@ class RoutingTable:
     reason: str = ""
     #: the UCX transport(s) each verified (decode, prefill) pair's handshakes report
     transports: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    #: engines of verified pairs held back, with why (a pod not Ready or terminating)
+    held: Mapping[str, str] = field(default_factory=dict)
 
     def decodes(self) -> list[Engine]:
         return [self.engines[d] for d in self.pairs]
@@ -111,9 +118,12 @@ def _live(doc: Mapping[str, Any], transfer: str) -> bool:
 
 
 def routing_table(transfer_name: str, transfer: Mapping[str, Any] | None,
-                  endpoints: Iterable[Mapping[str, Any]]) -> RoutingTable:  # fmt: skip
+                  endpoints: Iterable[Mapping[str, Any]],
+                  pods: Mapping[str, PodState] | None = None) -> RoutingTable:  # fmt: skip
     """The verified pairs of KVTransfer ``transfer_name`` (``transfer`` is its stored object,
-    None when it does not exist) among ``endpoints`` (KVEndpoints of its namespace)."""
+    None when it does not exist) among ``endpoints`` (KVEndpoints of its namespace), less
+    those with a pod in ``pods`` (the namespace's pods by name) that takes no request now;
+    ``pods`` None: the router cannot read pods, the endpoints alone decide."""
     if transfer is None or (transfer.get("metadata") or {}).get("deletionTimestamp"):
         return RoutingTable(reason=f"KVTransfer {transfer_name} does not exist")
     docs = [e for e in endpoints if _live(e, transfer_name)]
@@ -135,9 +145,30 @@ def routing_table(transfer_name: str, transfer: Mapping[str, Any] | None,
                           and _same_model(engine, engines[p])))  # fmt: skip
         if ok:
             pairs[eid] = ok
+    pairs, held = _hold_back(pairs, engines, pods)
     if pairs:
-        return RoutingTable(pairs, engines, transports=_transports(pairs, ranks, by_name))
+        return RoutingTable(pairs, engines, transports=_transports(pairs, ranks, by_name),
+                            held=held)
+    if held:
+        return RoutingTable({}, engines, held=held, reason=(
+            f"every verified pair of KVTransfer {transfer_name} has a pod that takes no "
+            f"request now: {'; '.join(f'{e}: {why}' for e, why in sorted(held.items()))}"))
     return RoutingTable({}, engines, _why_none(transfer_name, engines, ranks))
+
+
+def _hold_back(pairs: Mapping[str, tuple[str, ...]], engines: Mapping[str, Engine],
+               pods: Mapping[str, PodState] | None
+               ) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:  # fmt: skip
+    """``pairs`` less those with an engine whose pod is not Ready or is terminating, and
+    those engines with why."""
+    in_pairs = set(pairs) | {p for ps in pairs.values() for p in ps}
+    held: dict[str, str] = {}
+    for eid in sorted(in_pairs):
+        bad = unusable_pods(engines[eid].pods, pods)
+        if bad:
+            held[eid] = ", ".join(f"pod {pod} {why}" for pod, why in sorted(bad.items()))
+    kept = {d: tuple(p for p in ps if p not in held) for d, ps in pairs.items() if d not in held}
+    return {d: ps for d, ps in kept.items() if ps}, held
 
 
 def _engine(engine_id: str, ranks: list[Mapping[str, Any]]) -> Engine:

@@ -245,7 +245,8 @@ def test_gateway_on_a_real_api_server(kube: Kube) -> None:
     """gateway.enabled with installInferencePoolCRD on a cluster that lacks the CRD: the first
     install adds the CRD (the pool's API does not exist yet when Helm renders), the upgrade
     adds the InferencePool, which the API server validates against the CRD; the picker and the
-    decode pods' ServiceAccount may read KVTransfers and KVEndpoints and nothing more; the CRD
+    decode pods' ServiceAccount may read KVTransfers and KVEndpoints (the picker Pods too) and
+    nothing more; the CRD
     outlives an uninstall."""
     serving = "gateway-serving"
     for ns in (NS, serving):
@@ -279,7 +280,10 @@ def test_gateway_on_a_real_api_server(kube: Kube) -> None:
             for verb in ("get", "list", "watch"):
                 assert can(sa, verb, "kvendpoints.kvbridge.io"), (sa, verb)
                 assert can(sa, verb, "kvtransfers.kvbridge.io"), (sa, verb)
-        for verb, resource in (("update", "kvtransfers.kvbridge.io"), ("get", "pods"),
+        for verb in ("get", "list", "watch"):   # the picker skips pairs of terminating pods
+            assert can("kvbridge-epp", verb, "pods"), verb
+        assert not can("kvbridge-agent", "list", "pods")   # the sidecar needs no pods
+        for verb, resource in (("update", "kvtransfers.kvbridge.io"), ("delete", "pods"),
                                ("get", "secrets"), ("list", "inferencepools"),
                                ("delete", "kvendpoints.kvbridge.io")):  # fmt: skip
             assert not can("kvbridge-epp", verb, resource), (verb, resource)

@@ -741,6 +741,16 @@ def test_serving_examples_load_the_connector_with_one_flag(role: str) -> None:
     assert (env["KVBRIDGE_TRANSFER"]["value"], env["KVBRIDGE_ROLE"]["value"]) == (
         kvt["metadata"]["name"], role)
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    # Draining: every container waits for vLLM to be idle (on its own port) before SIGTERM,
+    # and the grace period outlasts the wait.
+    port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+    for c in pod["spec"]["containers"]:
+        drain = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert drain[:3] == ["kvbridge", "drain", f"--url=http://127.0.0.1:{port}"], c["name"]
+        from kvbridge_agent.cli import build_parser
+
+        timeout = build_parser().parse_args(drain[1:]).timeout
+        assert pod["spec"]["terminationGracePeriodSeconds"] >= timeout + 10
     # The pod's labels reach the connector, which copies them onto its KVEndpoint.
     (podinfo,) = [v for v in pod["spec"]["volumes"] if v["name"] == "podinfo"]
     assert podinfo["downwardAPI"]["items"] == [
@@ -789,9 +799,7 @@ def test_router(rendered: dict) -> None:
     _check_drains(objs, dep, "router", "policy/v1beta1")      # rendered for Kubernetes 1.20
     role = one(objs, "Role", "kvbridge-router")
     assert role["metadata"]["namespace"] == "serving"
-    assert expand_rules(role["rules"]) == expand_rules([{
-        "apiGroups": ["kvbridge.io"], "resources": ["kvtransfers", "kvendpoints"],
-        "verbs": ["get", "list", "watch"]}])
+    assert expand_rules(role["rules"]) == READ_ONLY | POD_READS
     binding = one(objs, "RoleBinding", "kvbridge-router")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvbridge-router",
                                     "namespace": "serving"}]
@@ -840,6 +848,9 @@ GATEWAY_SETS = ["gateway.enabled=true", "gateway.transfer=llama-70b",
 WITH_POOL_API = ("kopf.dev/v1", INFERENCE_API)
 READ_ONLY = expand_rules([{"apiGroups": ["kvbridge.io"],
                            "resources": ["kvtransfers", "kvendpoints"],
+                           "verbs": ["get", "list", "watch"]}])
+#: the router and the picker follow pods: a pair of a terminating or unready pod takes nothing
+POD_READS = expand_rules([{"apiGroups": [""], "resources": ["pods"],
                            "verbs": ["get", "list", "watch"]}])
 GATEWAY_COMPONENTS = {"endpoint-picker", "sidecar"}
 
@@ -905,7 +916,7 @@ def test_gateway(rendered: dict) -> None:
 
     role = one(objs, "Role", "kvbridge-epp")
     assert role["metadata"]["namespace"] == "serving"
-    assert expand_rules(role["rules"]) == READ_ONLY
+    assert expand_rules(role["rules"]) == READ_ONLY | POD_READS
     binding = one(objs, "RoleBinding", "kvbridge-epp")
     assert binding["roleRef"]["name"] == "kvbridge-epp"
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvbridge-epp",

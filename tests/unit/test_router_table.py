@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvbridge_router.balance import Balancer
+from kvbridge_router.pod_state import PodState, pod_state
 from kvbridge_router.table import routing_table
 
 T = "kvt"
@@ -144,3 +145,53 @@ def test_geometry_and_transport_per_pair_for_the_cost_estimate() -> None:
     assert (d.block_size, d.num_blocks, d.block_bytes) == (32, 450, 2 * 2 * 2 * 100)
     assert d.kv_events_port == 0 and table.engines["p0"].kv_events_port == 5557
     assert table.transport("d", "p0") == "cma+tcp" and table.transport("d", "p9") == ""
+
+
+def pod(name: str, *, ready: bool = True, deleting: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-12-07T00:00:00Z"
+    return {"metadata": meta, "status": {"conditions": [
+        {"type": "PodScheduled", "status": "True"},
+        {"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def pods(*docs: dict[str, Any]) -> dict[str, PodState]:
+    return {d["metadata"]["name"]: pod_state(d) for d in docs}
+
+
+def test_a_pair_takes_no_request_while_a_pod_is_terminating_not_ready_or_gone() -> None:
+    docs = [ep("p0", "prefill"), ep("p1", "prefill"),
+            ep("d0", "decode", peers=(("p0", 1), ("p1", 1)),
+               shakes=(("p0", 1, "Succeeded"), ("p1", 1, "Succeeded"))),
+            verified_decode("d1", "p1")]
+    every = pods(pod("p0"), pod("p1"), pod("d0"), pod("d1"))
+    assert dict(routing_table(T, TRANSFER, docs, every).pairs) == {"d0": ("p0", "p1"),
+                                                                   "d1": ("p1",)}
+    table = routing_table(T, TRANSFER, docs, {**every, **pods(pod("d0", deleting=True))})
+    assert dict(table.pairs) == {"d1": ("p1",)}
+    assert table.held == {"d0": "pod d0 terminating"}
+    table = routing_table(T, TRANSFER, docs, {**every, **pods(pod("p1", ready=False))})
+    assert dict(table.pairs) == {"d0": ("p0",)} and table.held == {"p1": "pod p1 not Ready"}
+    gone = {k: v for k, v in every.items() if k != "p0"}
+    assert dict(routing_table(T, TRANSFER, docs, gone).pairs) == {"d0": ("p1",), "d1": ("p1",)}
+    # readiness back: the pair is back (a restarted container keeps its pod and endpoint)
+    assert routing_table(T, TRANSFER, docs, every).held == {}
+
+
+def test_every_pair_held_back_names_the_pods_and_no_pod_list_leaves_the_endpoints_to_decide(
+) -> None:
+    docs = [ep("p0", "prefill"), verified_decode("d0")]
+    table = routing_table(T, TRANSFER, docs, pods(pod("p0", deleting=True), pod("d0")))
+    assert not table.pairs
+    assert table.reason == ("every verified pair of KVTransfer kvt has a pod that takes no "
+                            "request now: p0: pod p0 terminating")
+    assert dict(routing_table(T, TRANSFER, docs, None).pairs) == {"d0": ("p0",)}
+    assert not routing_table(T, TRANSFER, docs, {}).pairs          # listed, none there
+
+
+def test_pod_state_reads_readiness_and_the_deletion_timestamp() -> None:
+    assert pod_state(pod("a")).unusable == ""
+    assert pod_state(pod("a", ready=False)).unusable == "not Ready"
+    assert pod_state(pod("a", deleting=True)).unusable == "terminating"
+    assert pod_state({"metadata": {"name": "a"}}).unusable == "not Ready"  # no status yet

@@ -1,0 +1,288 @@
+"""Rolling upgrades of examples/serving/ under routed load on the real node (issues #35, #37).
+
+The examples' Deployments (one prefill, two decodes, the chart's router in front) serve
+revision A of the test model; four ``openai`` clients send greedy completions through the
+router, every other one streamed, for the whole module. A revision is a seed of
+``kvbridge write-test-model``: new weights under the same model name and path, the case vLLM's
+own compatibility hash misses. Then, as users run them:
+
+- both Deployments rolled to revision B (new weights and a new image tag): no request fails,
+  each answer equals the single-engine reference of the revision that served it (the router's
+  ``x-kvbridge-revision`` header), and the KVTransfer's ``status.revisions`` shows the pairs
+  per revision as the rollout goes;
+- ``kubectl rollout restart`` of the decode, then of the prefill Deployment: no request
+  fails or is answered wrong, and no engine takes a request before it is Ready or once it is
+  terminating (its own counters say so);
+- the decode Deployment alone rolled to revision C: the B prefill never serves a C decode;
+  RevisionsMatched turns False (RevisionWithoutPrefill) and the operator's metrics hold what
+  the KVBridgeRevisionWithoutPeer alert fires on; requests flow on the B pairs until the last
+  B decode is gone, then get 503 naming the reason; no answer is wrong.
+
+Figures (rollout time, answers per revision, the longest time without an answer) are logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import yaml
+from chartlib import CHART, Kube
+from nodelib import AGENT_NS, OPERATOR_NS, RELEASE
+
+from kvbridge_agent.resources import revision_label
+from kvbridge_testkit import vllm_pods as vp
+from kvbridge_testkit.e2e import Api, wait_for
+from kvbridge_testkit.openai_load import LoadRecord, openai_load
+from kvbridge_testkit.pod_audit import pod_audit
+
+pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.nixl, pytest.mark.vllm,
+              pytest.mark.slow, pytest.mark.timeout(1500)]  # fmt: skip
+log = logging.getLogger(__name__)
+
+NS, T = AGENT_NS, vp.TRANSFER
+MAX_TOKENS = 8
+PROMPTS = vp.prompts(4, seed=35)
+PODS = f"app.kubernetes.io/name={T}"
+#: the test model's seed per revision (examples/serving/ as written is A)
+SEEDS = {"A": "9", "B": "10", "C": "11"}
+ROLLOUT_S = 900
+
+
+@dataclass
+class Stack:
+    docs: dict[str, dict[str, Any]]
+    router: str
+    #: revision label -> prompt -> the single-engine answer of that revision
+    references: dict[str, dict[str, str]]
+
+
+def at_revision(doc: dict[str, Any], revision: str, image: str = "") -> dict[str, Any]:
+    """The Deployment ``doc`` serving revision ``revision`` (its test-model seed), with the
+    vLLM container's image ``image`` when given."""
+    out = copy.deepcopy(doc)
+    spec = out["spec"]["template"]["spec"]
+    (init,) = spec["initContainers"]
+    assert init["command"][-2] == "--seed", init["command"]
+    init["command"][-1] = SEEDS[revision]
+    if image:
+        spec["containers"][0]["image"] = image
+    return out
+
+
+def apply(kube: Kube, doc: dict[str, Any]) -> None:
+    kube.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump(doc))
+
+
+def rolled_out(kube: Kube, role: str) -> None:
+    kube.kubectl("rollout", "status", f"deployment/{T}-{role}", "-n", NS,
+                 f"--timeout={ROLLOUT_S}s", timeout=ROLLOUT_S + 30)  # fmt: skip
+
+
+def revisions_of(api: Api, role: str) -> set[str]:
+    """The revision labels the live ``role`` endpoints publish."""
+    return {revision_label(e["spec"].get("model", {}).get("revision", ""),
+                           e["spec"].get("model", {}).get("fingerprint", ""))
+            for e in api.endpoints(NS).values()
+            if e["spec"]["role"] == role and not e["metadata"].get("deletionTimestamp")}
+
+
+def references_of(api: Api, revision: str) -> dict[str, str]:
+    """Each prompt's greedy answer from one prefill engine of ``revision`` computing it alone."""
+    (pod,) = [e["spec"]["podName"] for e in api.endpoints(NS).values()
+              if e["spec"]["role"] == "prefill"
+              and revision_label(e["spec"]["model"].get("revision", ""),
+                                 e["spec"]["model"]["fingerprint"]) == revision]
+    ip = api.core.read_namespaced_pod(pod, NS).status.pod_ip
+    return {p: vp.complete(ip, p, MAX_TOKENS)["choices"][0]["text"] for p in PROMPTS}
+
+
+def health(router: str) -> dict[str, Any]:
+    try:
+        return vp.get_json(f"{router}/health")
+    except Exception as exc:  # 503 while no pair is verified
+        return {"status": "unavailable", "error": str(exc)}
+
+
+@contextlib.contextmanager
+def revision_history(api: Api) -> Iterator[list[tuple[float, dict[str, tuple[int, int, int]]]]]:
+    """Every distinct ``status.revisions`` of the KVTransfer while the block runs, as
+    (monotonic time, {revision: (prefills, decodes, pairs)})."""
+    seen: list[tuple[float, dict[str, tuple[int, int, int]]]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(1.0):
+            with contextlib.suppress(Exception):
+                status = api.transfer(NS, T).get("status") or {}
+                now = {r["revision"]: (r.get("prefills", 0), r.get("decodes", 0),
+                                       r.get("pairs", 0))
+                       for r in status.get("revisions") or []}  # fmt: skip
+                if not seen or seen[-1][1] != now:
+                    seen.append((time.monotonic(), now))
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        thread.join()
+
+
+def summary(load: LoadRecord, start: float, end: float) -> str:
+    failed: dict[str, int] = {}
+    for o in load.failed:
+        failed[o.error[:120]] = failed.get(o.error[:120], 0) + 1
+    return (f"{len(load.answered)} answered {load.per_revision()}, {len(load.failed)} failed "
+            f"{failed}, longest time without an answer {load.longest_gap(start, end):.1f} s")
+
+
+@pytest.fixture(scope="module")
+def stack(api: Api, kube: Kube, release: str, images: dict[str, str]) -> Iterator[Stack]:
+    docs = vp.manifests(images["KVB_IMAGE_VLLM"], images["KVB_IMAGE_OPERATOR"])
+    for stem in ("kvtransfer", "prefill", "decode"):
+        apply(kube, docs[stem])
+    kube.helm("upgrade", RELEASE, str(CHART), "-n", OPERATOR_NS, "--reuse-values",
+              "--set", "router.enabled=true", "--set", f"router.transfer={T}",
+              "--set", f"router.namespace={NS}", timeout=240)  # fmt: skip
+    try:
+        wait_for(lambda: vp.serving_pods(api.core, NS), timeout=420, interval=2,
+                 what="one prefill and two decode vLLM pods Ready")  # fmt: skip
+        service = api.core.read_namespaced_service(f"{RELEASE}-router", NS)
+        router = f"http://{service.spec.cluster_ip}:{service.spec.ports[0].port}"
+        wait_for(lambda: health(router).get("verifiedPairs") == 2, timeout=240, interval=1,
+                 what="the router with both pairs verified")
+        (revision,) = revisions_of(api, "decode")
+        yield Stack(docs, router, {revision: references_of(api, revision)})
+    finally:
+        for kind, name in (("deployment", f"{T}-prefill"), ("deployment", f"{T}-decode"),
+                           ("kvtransfer", T)):  # fmt: skip
+            kube.kubectl("delete", kind, name, "-n", NS, "--ignore-not-found", "--wait=false")
+        kube.helm("upgrade", RELEASE, str(CHART), "-n", OPERATOR_NS, "--reuse-values",
+                  "--set", "router.enabled=false", timeout=240)  # fmt: skip
+        wait_for(lambda: not api.core.list_namespaced_pod(
+            NS, label_selector=f"app.kubernetes.io/name={T}").items, timeout=180, interval=1,
+            what="the vLLM pods gone")  # fmt: skip
+
+
+def test_rollout_of_prefill_and_decode_to_new_weights_and_image(
+        api: Api, kube: Kube, node: Any, images: dict[str, str], stack: Stack) -> None:
+    (old,) = stack.references
+    image = images["KVB_IMAGE_VLLM"].rsplit(":", 1)[0] + ":rollout-b"
+    node.tag(images["KVB_IMAGE_VLLM"], image)
+    with openai_load(stack.router, PROMPTS, MAX_TOKENS) as load, \
+            revision_history(api) as history, pod_audit(api.core, NS, PODS) as audit:
+        wait_for(lambda: len(load.answered) >= 8, timeout=120, what="answers at revision A")
+        start = time.monotonic()
+        apply(kube, at_revision(stack.docs["prefill"], "B", image))
+        apply(kube, at_revision(stack.docs["decode"], "B", image))
+        rolled_out(kube, "prefill")
+        rolled_out(kube, "decode")
+        (new,) = wait_for(lambda: (lambda r: r if len(r) == 1 and old not in r else None)(
+            revisions_of(api, "decode") | revisions_of(api, "prefill")), timeout=120,
+            what="only revision B's endpoints left")  # fmt: skip
+        wait_for(lambda: health(stack.router).get("verifiedPairs") == 2, timeout=240,
+                 interval=1, what="the router with both B pairs verified")
+        end = time.monotonic()
+        answered = len(load.answered)
+        wait_for(lambda: len(load.answered) >= answered + 8, timeout=120,
+                 what="answers at revision B")
+    stack.references[new] = references_of(api, new)
+    log.info("rollout A -> B (%s -> %s) took %.0f s: %s; status.revisions went %s", old, new,
+             end - start, summary(load, start, end), [h for _, h in history])
+    assert load.failed == [], load.failed[:5]
+    assert load.wrong(stack.references) == []
+    assert audit.violations == {}, audit
+    assert set(load.per_revision()) == {old, new}
+    revisions = [h for _, h in history]
+    assert revisions[0].get(old, (0, 0, 0))[2] > 0 and new not in revisions[0], revisions
+    assert revisions[-1] == {new: (1, 2, 2)}, revisions
+    assert any(old in h and new in h for h in revisions), revisions  # seen mid-rollout
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_rolling_restart_fails_no_request(api: Api, kube: Kube, stack: Stack, role: str
+                                          ) -> None:  # fmt: skip
+    """``kubectl rollout restart`` under load (issue #37): every request answered right, none
+    sent to a pod that is not Ready or is terminating; the longest time without an answer
+    is logged."""
+    before = {p.metadata.name for p in vp.role_pods(api.core, NS, role)}
+    with openai_load(stack.router, PROMPTS, MAX_TOKENS) as load, \
+            pod_audit(api.core, NS, PODS) as audit:
+        wait_for(lambda: len(load.answered) >= 8, timeout=120, what="answers before")
+        start = time.monotonic()
+        kube.kubectl("rollout", "restart", f"deployment/{T}-{role}", "-n", NS)
+        rolled_out(kube, role)
+        wait_for(lambda: health(stack.router).get("verifiedPairs") == 2, timeout=240,
+                 interval=1, what="the router with both pairs verified again")
+        end = time.monotonic()
+        answered = len(load.answered)
+        wait_for(lambda: len(load.answered) >= answered + 8, timeout=120, what="answers after")
+    log.info("rolling restart of the %s Deployment took %.0f s: %s; pods audited %s", role,
+             end - start, summary(load, start, end), audit)
+    assert not before & {p.metadata.name for p in vp.role_pods(api.core, NS, role)}
+    assert set(audit.terminating) == before, audit
+    assert load.failed == [], load.failed[:5]
+    assert load.wrong(stack.references) == []
+    assert audit.violations == {}, audit
+
+
+def _operator_series(api: Api, name: str) -> list[tuple[dict[str, str], float]]:
+    """``name``'s series on every operator replica behind the metrics Service."""
+    endpoints = api.core.read_namespaced_endpoints(f"{RELEASE}-metrics", OPERATOR_NS)
+    out = []
+    for subset in endpoints.subsets or []:
+        for address in subset.addresses or []:
+            url = f"http://{address.ip}:{subset.ports[0].port}"
+            out += vp.router_series(url, name)   # the same text format and label parsing
+    return out
+
+
+def test_decode_rollout_alone_never_pairs_across_revisions(
+        api: Api, kube: Kube, stack: Stack) -> None:
+    (old_prefill,) = vp.role_pods(api.core, NS, "prefill")
+    before = set(stack.references)
+    with openai_load(stack.router, PROMPTS, MAX_TOKENS) as load:
+        wait_for(lambda: len(load.answered) >= 4, timeout=120, what="answers before")
+        start = time.monotonic()
+        apply(kube, at_revision(stack.docs["decode"], "C"))
+        cond = api.wait_condition(NS, "RevisionsMatched", "False", name=T, timeout=600,
+                                  reason="RevisionWithoutPrefill")  # fmt: skip
+        fired = time.monotonic()
+        (lone,) = revisions_of(api, "decode") - before
+        assert cond["message"].startswith(f"revision {lone} "), cond
+        # What KVBridgeRevisionWithoutPeer fires on: engines of the revision, no pair.
+        engines = [v for labels, v in _operator_series(api, "kvbridge_transfer_revision_engines")
+                   if labels.get("revision") == lone and labels.get("transfer") == T]
+        pairs = [v for labels, v in _operator_series(api, "kvbridge_transfer_revision_pairs")
+                 if labels.get("revision") == lone and labels.get("transfer") == T]
+        assert sum(engines) > 0 and sum(pairs) == 0, (engines, pairs)
+        rolled_out(kube, "decode")
+        wait_for(lambda: health(stack.router).get("status") == "unavailable", timeout=240,
+                 interval=1, what="the router out of pairs once the B decodes are gone")
+        out_of_pairs = time.monotonic()
+        failed = len(load.failed)
+        wait_for(lambda: len(load.failed) >= failed + 4, timeout=120, what="requests after")
+    log.info("decode-only rollout to %s: condition after %.0f s, out of pairs after %.0f s: %s",
+             lone, fired - start, out_of_pairs - start, summary(load, start, out_of_pairs))
+    assert load.wrong(stack.references) == []
+    assert lone not in load.per_revision()
+    assert any(o.ended > fired for o in load.answered), "no B answer once C decodes came"
+    for o in load.failed:   # only after capacity ran out, each naming the reason
+        assert "503" in o.error and "pair" in o.error, o
+    # The B prefill never paired with, or served, a C decode.
+    peers = {p["name"] for p in (api.endpoint(NS, old_prefill.metadata.name).get("status")
+                                 or {}).get("peers", [])}  # fmt: skip
+    for decode in vp.role_pods(api.core, NS, "decode"):
+        assert decode.metadata.name not in peers
+        served = vp.scrape(decode.status.pod_ip, vp.DECODE_HTTP_PORT)
+        assert vp.metric_sum(served, "vllm:request_success_total") == 0, decode.metadata.name
+        assert vp.PullCounters.of(decode.status.pod_ip).transfer_bytes == 0
