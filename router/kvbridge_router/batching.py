@@ -205,8 +205,8 @@ class StreamMerge:
         return [event(_encode(self._headed(chunk)))]
 
     def finish(self) -> bytes:
-        """The end of the merged stream: the summed usage chunk, if the sub-streams sent
-        theirs and none failed, and ``[DONE]``."""
+        """The end of a merged stream that did not fail: the summed usage chunk, if the
+        sub-streams sent theirs, and ``[DONE]``."""
         if self._usage_chunk is None or self.failed:
             return DONE_EVENT
         chunk = dict(self._usage_chunk, usage=merge_usage(self.plan, self._usage))

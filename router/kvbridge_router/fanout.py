@@ -147,7 +147,8 @@ class FanOut:
                     if merge.failed:
                         outcome = "stream_error"
                         break
-            await out.write(merge.finish())
+            if outcome == "answered":   # a failed stream ends with its error, no [DONE]
+                await out.write(merge.finish())
             self._settle(outcome, pair)
         finally:
             for pump in pumps:

@@ -10,7 +10,8 @@ next read. The balancer's counts are touched only on the loop.
 Failures: a prefill that fails, answers a 5xx or returns no ``kv_transfer_params``, or a
 decode that fails before the client saw a byte (a stream's first chunk; a whole non-streaming
 answer, sent in one piece), costs the request one retry on another pair; after the first byte
-was sent to the client, a streaming answer ends with an error event and ``[DONE]``. A client
+was sent to the client, a streaming answer ends with an error event and no ``[DONE]``, so no
+client takes the cut answer for a whole one (the drain's cut ends the same way). A client
 that goes away cancels its handler, which closes the decode connection: vLLM aborts the
 request and, when it had not read the prompt's KV yet, tells the prefill to free the blocks
 (vLLM's abort path), instead of holding them for the lease.
@@ -425,7 +426,7 @@ class Router(FanOut):
             if not done:
                 log.warning("decode %s failed mid-answer: %s", pair.decode.engine_id, exc)
                 separator = b"" if tail.endswith(b"\n\n") else b"\n\n"
-                await out.write(separator + stream_error(pair, exc) + sse.DONE_EVENT)
+                await out.write(separator + stream_error(pair, exc))
                 outcome = "stream_error"
         self._settle(outcome, pair)
         await out.write_eof()
