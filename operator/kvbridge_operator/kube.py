@@ -66,6 +66,9 @@ def load_api_client() -> client.ApiClient:
 
 
 class Kube:
+    #: Asked before every status write (None: always write); see the module docstring.
+    _may_write: Callable[[], bool] | None = None
+
     def __init__(self, api_client: client.ApiClient | None = None, concurrency: int = 8, *,
                  may_write: Callable[[], bool] | None = None) -> None:  # fmt: skip
         self._api = client.CustomObjectsApi(api_client or load_api_client())

@@ -325,3 +325,63 @@ def test_the_loop_hands_over_in_real_time() -> None:
 def test_an_empty_identity_is_refused() -> None:
     with pytest.raises(ValueError, match="identity"):
         MemoryElector(MemoryLease(), "")
+
+
+# -- the write gate ---------------------------------------------------------------------------
+
+class _StatusApi:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def patch_namespaced_custom_object_status(self, *args: Any) -> None:
+        self.calls.append(args)
+
+
+def test_status_writes_ask_the_lease_first() -> None:
+    """Kube sends no status patch while ``may_write`` says no: NotLeading, nothing sent."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvbridge_operator.kube import Kube, NotLeading
+
+    kube = Kube.__new__(Kube)  # no kubeconfig: only the gate is exercised
+    kube._api = api = _StatusApi()  # type: ignore[assignment]
+    kube._pool = ThreadPoolExecutor(1)
+    leading = False
+    kube._may_write = lambda: leading
+    try:
+        with pytest.raises(NotLeading, match="kvendpoints/d0-0"):
+            run(kube.patch_endpoint_status("serving", "d0-0", {"state": "Paired"}))
+        assert api.calls == []
+        leading = True
+        assert run(kube.patch_endpoint_status("serving", "d0-0", {"state": "Paired"}))
+        assert len(api.calls) == 1
+    finally:
+        kube.close()
+
+
+def test_a_replica_losing_the_lease_leaves_the_release_to_the_next_leader(caplog) -> None:
+    """The finalizer's release stops at the first refused write instead of retrying and then
+    letting the finalizer go with the endpoints untold: kopf keeps the finalizer and the next
+    leader releases."""
+    from kvbridge_operator import reconciler
+    from kvbridge_operator import testing as manifests
+    from kvbridge_operator.kube import NotLeading
+    from kvbridge_operator.spec import parse_endpoint
+
+    class Lapsed:
+        def __init__(self) -> None:
+            self.tries = 0
+
+        async def patch_endpoint_status(self, *args: Any, **kw: Any) -> bool:
+            self.tries += 1
+            raise NotLeading("not the operator's Lease holder")
+
+    endpoints = [parse_endpoint(manifests.endpoint_manifest(n, role="decode", engine_id=n[:2],
+                                                            namespace="serving"))
+                 for n in ("d0-0", "d1-0")]  # fmt: skip
+    kube = Lapsed()
+    with pytest.raises(NotLeading):
+        run(reconciler.release("serving", "kvt", endpoints, kube,  # type: ignore[arg-type]
+                               retry_delays=(0.0, 0.0)))  # fmt: skip
+    assert kube.tries == 1
+    assert "releasing the finalizer anyway" not in caplog.text
