@@ -37,13 +37,15 @@ K8S_120_KINDS = {
     ("admissionregistration.k8s.io/v1", "ValidatingWebhookConfiguration"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"),
+    ("policy/v1beta1", "PodDisruptionBudget"),
 }
+# Kinds the chart renders in a newer version where the cluster serves it (the PDB: policy/v1
+# from Kubernetes 1.21, policy/v1beta1 before).
+NEWER_KINDS = {("policy/v1", "PodDisruptionBudget")}
 # Kinds from CRDs: ours (crds/), the InferencePool (templates/inferencepool-crd.yaml, or the
 # gateway's own) and the optional integrations.
 CRD_KINDS = {
     ("inference.networking.k8s.io/v1", "InferencePool"),
-    ("kopf.dev/v1", "ClusterKopfPeering"),
-    ("kopf.dev/v1", "KopfPeering"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PodMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
@@ -106,12 +108,11 @@ def render(
     kube_version: str | None = None,
     include_crds: bool = False,
     namespace: str = NAMESPACE,
-    api_versions: Sequence[str] = ("kopf.dev/v1",),
+    api_versions: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """`helm template` the chart and return the objects (empty documents dropped).
 
-    ``api_versions`` are the extra APIs the pretend cluster serves: by default the kopf.dev
-    API of the chart's own CRDs, as in a real `helm install`.
+    ``api_versions`` are the extra APIs the pretend cluster serves.
     """
     args = ["template", RELEASE, str(CHART), "--namespace", namespace]
     for api in api_versions:
@@ -136,9 +137,16 @@ class Rule:
     verb: str
 
 
-def expand_rules(rules: Iterable[dict[str, Any]]) -> set[Rule]:
+def expand_rules(rules: Iterable[dict[str, Any]], *, named: bool = False) -> set[Rule]:
+    """The rules as (group, resource, verb) units; ``named`` allows rules limited to
+    ``resourceNames`` (the Lease's), whose resource then reads ``leases/<name>``."""
     out: set[Rule] = set()
     for r in rules:
+        if named and r.get("resourceNames"):
+            out |= {Rule(g, f"{res}/{n}", v) for g in r.get("apiGroups", [])
+                    for res in r.get("resources", []) for n in r["resourceNames"]
+                    for v in r.get("verbs", [])}  # fmt: skip
+            continue
         assert not r.get("resourceNames"), f"unexpected resourceNames in {r}"
         assert not r.get("nonResourceURLs"), f"unexpected nonResourceURLs in {r}"
         for g in r.get("apiGroups", []):
