@@ -126,7 +126,7 @@ def bench_cluster() -> None:
         cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
         cluster.kubectl("create", "namespace", "bench")
         settings = {
-            "KVBRIDGE_PEERING": "",
+            "KVBRIDGE_LEADER_ELECTION": "false",
             "KVBRIDGE_METRICS_PORT": "0",
             "KVBRIDGE_WEBHOOK_PORT": "0",
             "KVBRIDGE_DEBOUNCE": "0.2",

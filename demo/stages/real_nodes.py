@@ -82,8 +82,15 @@ def setup_node(binaries: kc.Binaries, cleanup: list) -> Stage:
         core.delete_namespaced_pod(name, NS, grace_period_seconds=0)
 
     # The host routes the pod network to the node: Prometheus here scrapes pod IPs directly.
-    (operator,) = [p for p in core.list_namespaced_pod(SYS_NS).items
-                   if p.status.phase == "Running"]
+    # The chart runs two operator replicas; the one holding the Lease plans and exports the
+    # KVTransfer metrics.
+    from kvbridge_testkit.e2e import lease_holder
+
+    holder = wait_until(lambda: lease_holder(cluster.api_client(), SYS_NS, f"{RELEASE}-operator"),
+                        timeout=60, interval=0.5, what="an operator replica holding the Lease")
+    say(f"operator replicas: {holder} leads (Lease {SYS_NS}/{RELEASE}-operator), the other "
+        "stands by and serves the webhook")
+    operator = core.read_namespaced_pod(holder, SYS_NS)
     return Stage(cluster, start_pod,
                  operator_metrics=f"{operator.status.pod_ip}:{OPERATOR_METRICS_PORT}",
                  delete_pod=delete_pod,

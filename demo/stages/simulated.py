@@ -47,7 +47,7 @@ def setup_simulated(binaries: kc.Binaries, cleanup: list) -> Stage:
                                         ["127.0.0.1", "localhost"])
     op = OperatorProcess(
         kubeconfig, Path(cluster.workdir),
-        {"KVBRIDGE_PEERING": "", **loopback_settings(ports, cert, key),
+        {"KVBRIDGE_LEADER_ELECTION": "false", **loopback_settings(ports, cert, key),
          "KVBRIDGE_DEBOUNCE": "0.1", "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'agent'}"},
         ports, log_name="operator.log", stop_timeout=15)
     cleanup.append(op.stop)

@@ -11,6 +11,7 @@ before (in parentheses), so ``except OperatorError`` catches any of them and no 
         ├── UnboundedError (ValueError)    a CRD schema field has no bound (limits)
         ├── KubeError (RuntimeError)       a Kubernetes API call failed (kube)
         │   └── KubeUnavailable            ... without an answer: try again later
+        ├── NotLeading                     a write by a replica not holding the Lease (kube)
         └── ReleaseDeferred                a deleted KVTransfer's release waits (reconciler)
 """
 

@@ -7,6 +7,10 @@ watch event brings the new state); other API errors become :class:`KubeError` na
 object, or :class:`KubeUnavailable` when the API server could not answer at all (not
 reachable, 5xx, 429, or the plain "404 page not found" of one still starting, which is no
 statement about the object).
+
+With leader election every status write first asks ``may_write`` (the Lease holder's
+:meth:`~.leader.LeaderElector.leading`), so a replica that does not hold the Lease, or whose
+term has lapsed, sends nothing: :class:`NotLeading`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,6 +37,10 @@ class KubeError(OperatorError, RuntimeError):
 class KubeUnavailable(KubeError):
     """The API server did not answer the call (unreachable, overloaded, starting): unlike a
     refusal, trying again later can succeed."""
+
+
+class NotLeading(OperatorError):
+    """This replica does not hold the operator's Lease (or no longer): it writes nothing."""
 
 
 def _no_answer(exc: ApiException) -> bool:
@@ -57,9 +66,14 @@ def load_api_client() -> client.ApiClient:
 
 
 class Kube:
-    def __init__(self, api_client: client.ApiClient | None = None, concurrency: int = 8) -> None:
+    #: Asked before every status write (None: always write); see the module docstring.
+    _may_write: Callable[[], bool] | None = None
+
+    def __init__(self, api_client: client.ApiClient | None = None, concurrency: int = 8, *,
+                 may_write: Callable[[], bool] | None = None) -> None:  # fmt: skip
         self._api = client.CustomObjectsApi(api_client or load_api_client())
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kvb-kube")
+        self._may_write = may_write
 
     async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -73,6 +87,9 @@ class Kube:
         status: dict,
         resource_version: str | None = None,
     ) -> bool:
+        if self._may_write is not None and not self._may_write():
+            raise NotLeading(f"not the operator's Lease holder: {plural}/{name} status in "
+                             f"{namespace} left unwritten")  # fmt: skip
         body: dict[str, Any] = {"status": status}
         if resource_version:
             body["metadata"] = {"resourceVersion": resource_version}

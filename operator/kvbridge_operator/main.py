@@ -9,14 +9,17 @@ Handlers only translate kopf kwargs and call into ``reconciler`` / ``admission``
 - ``plan_transfer``: the per-KVTransfer daemon (plan, write, wait);
 - ``release_endpoints``: on KVTransfer deletion (finalizer ``kvbridge.io/finalizer``);
 - ``validate_kvendpoint`` / ``validate_kvtransfer``: admission webhooks;
-- ``configure``: settings (finalizer, kopf's bookkeeping, peering, webhook server, metrics).
+- ``configure``: settings (finalizer, kopf's bookkeeping, webhook server, metrics) and the
+  leader election (``leader``: only the Lease holder watches, plans and writes; every
+  replica serves the webhooks).
 
 Importing this module also makes kopf's watch streams survive a kube-apiserver restart
-(see ``kopf_watch``).
+(see ``kopf_watch``) and lets the Lease pause kopf (see ``leader``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -27,6 +30,7 @@ from kvbridge_agent.resources import ENDPOINT_FIELDS
 from . import (
     admission,
     kopf_watch,
+    leader,
     metrics,
     persistence,
     pod_identity,
@@ -36,11 +40,12 @@ from . import (
 )
 from .config import ENDPOINTS, FINALIZER, GROUP, TRANSFERS, VERSION
 from .errors import SpecError
-from .kube import Kube
+from .kube import Kube, NotLeading, load_api_client
 from .spec import Endpoint, parse_endpoint
 
 log = logging.getLogger("kvbridge.operator")
 kopf_watch.install()
+leader.install()
 
 #: Seconds before kopf runs a deferred release again (the API server did not answer).
 RELEASE_AGAIN_S = 5.0
@@ -59,21 +64,33 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     logging.getLogger("kopf.objects").setLevel(cfg.kopf_log_level)
     logging.getLogger("kopf.objects").addFilter(_drop_refusal_errors)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    settings.peering.standalone = not cfg.peering
-    if cfg.peering:
-        settings.peering.name = cfg.peering
-        settings.peering.mandatory = True
+    # No kopf peering: the Lease decides which replica acts (see leader).
+    settings.peering.standalone = True
     if cfg.webhook_port:
         settings.admission.server = webhook.server(cfg)
-    rt = memo.runtime = runtime.Runtime(cfg, Kube(concurrency=cfg.write_concurrency))
+    api_client = load_api_client()
+    elector = None
+    if cfg.leader_election:
+        elector = leader.LeaderElector(api_client, namespace=cfg.lease_namespace,
+                                       name=cfg.lease_name, identity=cfg.identity,
+                                       timing=cfg.timing)
+    else:
+        metrics.LEADER.set(1)
+    leader.use(elector)
+    kube = Kube(api_client, cfg.write_concurrency,
+                may_write=elector.leading if elector is not None else None)
+    rt = memo.runtime = runtime.Runtime(cfg, kube, leader=elector)
     metrics.track(rt.tracked)
     metrics.serve(cfg.metrics_port, cfg.metrics_addr)
 
 
 @kopf.on.cleanup()
-def shutdown(memo: kopf.Memo, **_: Any) -> None:
+async def shutdown(memo: kopf.Memo, **_: Any) -> None:
     rt = getattr(memo, "runtime", None)
     if rt is not None:
+        if rt.leader is not None:
+            await rt.leader.release()  # done already when kopf's orchestrator stopped
+            rt.leader.close()
         rt.kube.close()
 
 
@@ -151,7 +168,8 @@ async def endpoint_event(
         endpoint = parse_endpoint(body)
     except SpecError:
         return  # logged by the index
-    await reconciler.orphan(endpoint, rt.kube)
+    with contextlib.suppress(NotLeading):  # the Lease was lost: the next leader writes it
+        await reconciler.orphan(endpoint, rt.kube)
 
 
 @kopf.on.event(GROUP, VERSION, TRANSFERS)
@@ -167,8 +185,9 @@ async def transfer_event(
     rt = runtime.from_memo(memo)
     rt.loops.wake(namespace, name)
     if type == "DELETED":
-        for e in _endpoints(endpoints_by_transfer, namespace, name):
-            await reconciler.orphan(e, rt.kube, deleted=True)
+        with contextlib.suppress(NotLeading):
+            for e in _endpoints(endpoints_by_transfer, namespace, name):
+                await reconciler.orphan(e, rt.kube, deleted=True)
 
 
 @kopf.daemon(
@@ -214,7 +233,7 @@ async def release_endpoints(
             namespace, name, _endpoints(endpoints_by_transfer, namespace, name),
             runtime.from_memo(memo).kube,
         )  # fmt: skip
-    except reconciler.ReleaseDeferred as exc:
+    except (reconciler.ReleaseDeferred, NotLeading) as exc:
         raise kopf.TemporaryError(str(exc), delay=RELEASE_AGAIN_S) from exc
 
 
@@ -237,7 +256,8 @@ def validate_kvtransfer(body: kopf.Body, old: Any, **_: Any) -> None:
 
 
 # kopf refuses to start with admission handlers but no server, so the webhooks exist only
-# when KVBRIDGE_WEBHOOK_PORT is set (a standby replica or a webhook-less install runs without).
+# when KVBRIDGE_WEBHOOK_PORT is set (a webhook-less install runs without). Every replica,
+# standby or leader, serves them.
 if runtime.settings().webhook_port:
     kopf.on.validate(GROUP, VERSION, ENDPOINTS, id="validate-kvendpoint")(validate_kvendpoint)
     kopf.on.validate(GROUP, VERSION, TRANSFERS, id="validate-kvtransfer")(validate_kvtransfer)

@@ -87,6 +87,21 @@ TRACKED = Gauge(
     "KVTransfers, KVEndpoints and nodes, not the number of changes.",
     ["kind"],
 )
+LEADER = Gauge(
+    "kvbridge_operator_leader",
+    "1 while this operator replica holds the Lease and acts (always 1 with leader election "
+    "off), 0 while it stands by (it serves the admission webhook only).",
+)
+#: How this replica's leadership changed: it acquired the Lease, released it on a clean stop,
+#: or lost it (not renewed within the renew deadline; the replica then restarts).
+LEADER_CHANGES = ("acquired", "released", "lost")
+LEADER_TRANSITIONS = Counter(
+    "kvbridge_operator_leader_transitions",
+    "Changes of this replica's leadership: acquired, released (clean stop) or lost.",
+    ["change"],
+)
+for _change in LEADER_CHANGES:
+    LEADER_TRANSITIONS.labels(_change)
 for _result in ("ok", "invalid", "error"):
     RECONCILES.labels(_result)
 for _resource in (config.ENDPOINTS, config.TRANSFERS):

@@ -39,7 +39,7 @@ from kvbridge_agent.resources import (
 from . import metrics, planner, status
 from .config import Settings
 from .errors import OperatorError, SpecError
-from .kube import Kube, KubeUnavailable
+from .kube import Kube, KubeUnavailable, NotLeading
 from .spec import Endpoint, parse_transfer
 
 log = logging.getLogger("kvbridge.operator")
@@ -146,6 +146,10 @@ async def run(
                     await _check_ghosts(ctx, current)
                 current = [e for e in current if e.uid not in memory.ghosts]
                 await reconcile(ctx, body, current, nodes(), lost())
+            except NotLeading:
+                # The Lease was lost: kopf stops this daemon as the process stops (see leader).
+                await _until(stopped)
+                return
             except Exception:
                 metrics.RECONCILES.labels("error").inc()
                 log.exception("planning KVTransfer %s/%s failed; retrying", *key)
@@ -311,6 +315,7 @@ async def release(namespace: str, name: str, endpoints: Iterable[Endpoint], kube
     Raises:
         ReleaseDeferred: some endpoint could not be told because the API server did not
             answer.
+        NotLeading: this replica lost the Lease; the next leader releases.
     """
     writes = 0
     todo = list(endpoints)
@@ -322,6 +327,8 @@ async def release(namespace: str, name: str, endpoints: Iterable[Endpoint], kube
                 continue
             try:
                 written = await kube.patch_endpoint_status(namespace, e.name, desired)
+            except NotLeading:
+                raise  # the next leader releases (kopf keeps the finalizer)
             except Exception as exc:   # any failure: retried, then given up
                 failed.append((e, exc))
                 continue

@@ -16,6 +16,7 @@ from typing import Any
 
 from .config import Settings
 from .kube import Kube
+from .leader import LeaderElector
 from .reconciler import PlanningLoops
 
 __all__ = ["Runtime", "from_memo", "settings"]
@@ -29,10 +30,13 @@ def settings() -> Settings:
 
 @dataclass
 class Runtime:
-    """What the handlers share: settings, the writer, the planning loops, node labels."""
+    """What the handlers share: settings, the writer, the Lease loop, the planning loops,
+    node labels."""
 
     settings: Settings
     kube: Kube
+    #: the Lease loop (None: leader election off, this replica always acts)
+    leader: LeaderElector | None = None
     loops: PlanningLoops = field(default_factory=PlanningLoops)
     #: node name -> (labels, lost) as last seen (a deleted node is forgotten)
     nodes: dict[str, tuple[dict[str, str], bool]] = field(default_factory=dict)

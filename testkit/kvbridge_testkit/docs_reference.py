@@ -133,8 +133,6 @@ def crds_markdown(crd_dir: Path = REPO / "crds") -> str:
         "descriptions are the text `kubectl explain` shows (e.g. `kubectl explain "
         "kvtransfer.spec.prefill`). Array fields list their items' fields under `[]`; "
         "constraints are enforced by the API server.", "",
-        "`crds/kopf.dev_peerings.yaml` is kopf's own peering resource, installed for the "
-        "operator's leader election; it is not documented here.", "",
     ]
     return "\n".join(head + [crd_section(c) for c in crds]).rstrip() + "\n"
 

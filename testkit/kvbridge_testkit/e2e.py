@@ -50,6 +50,20 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
 
 
 OPERATOR_NS, OPERATOR_SA = "kvbridge-system", "kvbridge-operator"
+#: The operator's Lease (``KVBRIDGE_LEASE_NAME``'s default, in the operator's namespace).
+OPERATOR_LEASE = "kvbridge-operator"
+
+
+def lease_holder(api_client: Any, namespace: str = OPERATOR_NS, name: str = OPERATOR_LEASE
+                 ) -> str | None:  # fmt: skip
+    """The Lease's ``holderIdentity`` ("" once released), None while there is no Lease."""
+    try:
+        found = client.CoordinationV1Api(api_client).read_namespaced_lease(name, namespace)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return found.spec.holder_identity or ""
 
 
 @contextlib.contextmanager
@@ -76,10 +90,10 @@ def crd_cluster(nodes: Mapping[str, Mapping[str, str]], workdir: Path | None = N
 def deploy_operator(cluster: Any, workdir: Path, env: dict[str, str] | None = None, *,
                     extra_args: Iterable[str] = ()) -> OperatorProcess:  # fmt: skip
     """Install the operator as in production on ``cluster`` (a LocalCluster): its
-    ServiceAccount bound to hack/operator-rbac.yaml only, kopf peering, the admission webhook
-    over loopback TLS; start it (``env`` adds KVBRIDGE_* settings, ``extra_args`` kopf run
-    options) and register the webhook. Shared by the e2e and fault fixtures and the
-    benchmarks; the caller stops it."""
+    ServiceAccount bound to hack/operator-rbac.yaml only, leader election on the Lease
+    ``kvbridge-system/kvbridge-operator``, the admission webhook over loopback TLS; start it
+    (``env`` adds KVBRIDGE_* settings, ``extra_args`` kopf run options) and register the
+    webhook. Shared by the e2e and fault fixtures and the benchmarks; the caller stops it."""
     from kvbridge_operator.webhook import self_signed_certificate, webhook_configuration
     from kvbridge_testkit import cluster as kc
 
@@ -89,13 +103,12 @@ def deploy_operator(cluster: Any, workdir: Path, env: dict[str, str] | None = No
     k("apply", "-f", str(REPO / "hack" / "operator-rbac.yaml"))
     k("create", "clusterrolebinding", "kvbridge-operator", "--clusterrole=kvbridge-operator",
       f"--serviceaccount={OPERATOR_NS}:{OPERATOR_SA}")  # fmt: skip
-    k("apply", "-f", "-", input="apiVersion: kopf.dev/v1\nkind: ClusterKopfPeering\n"
-      "metadata: {name: kvbridge}\n")  # fmt: skip
     token = cluster.service_account_token(OPERATOR_NS, OPERATOR_SA)
     kubeconfig = cluster.kubeconfig_for_token(token, "operator")
     ports = {"metrics": kc.free_port(), "liveness": kc.free_port(), "webhook": kc.free_port()}
     cert, key = self_signed_certificate(workdir, ["127.0.0.1", "localhost"])
-    settings = {**loopback_settings(ports, cert, key), **(env or {})}
+    settings = {**loopback_settings(ports, cert, key), "POD_NAMESPACE": OPERATOR_NS,
+                **(env or {})}  # fmt: skip
     op = OperatorProcess(kubeconfig, workdir, settings, ports, extra_args=extra_args)
     op.start()
     vwc = webhook_configuration(

@@ -46,8 +46,6 @@ NEWER_KINDS = {("policy/v1", "PodDisruptionBudget"): (1, 21)}
 # gateway's own) and the optional integrations.
 CRD_KINDS = {
     ("inference.networking.k8s.io/v1", "InferencePool"),
-    ("kopf.dev/v1", "ClusterKopfPeering"),
-    ("kopf.dev/v1", "KopfPeering"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PodMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
@@ -110,14 +108,13 @@ def render(
     kube_version: str | None = None,
     include_crds: bool = False,
     namespace: str = NAMESPACE,
-    api_versions: Sequence[str] = ("kopf.dev/v1",),
+    api_versions: Sequence[str] = (),
     files: Sequence[Path] = (),
 ) -> list[dict[str, Any]]:
     """`helm template` the chart and return the objects (empty documents dropped).
 
-    ``api_versions`` are the extra APIs the pretend cluster serves: by default the kopf.dev
-    API of the chart's own CRDs, as in a real `helm install`. ``files``: more values files
-    (for values ``--set`` cannot give, such as fractional numbers).
+    ``api_versions`` are the extra APIs the pretend cluster serves. ``files``: more values
+    files (for values ``--set`` cannot give, such as fractional numbers).
     """
     args = ["template", RELEASE, str(CHART), "--namespace", namespace]
     for api in api_versions:
@@ -144,9 +141,16 @@ class Rule:
     verb: str
 
 
-def expand_rules(rules: Iterable[dict[str, Any]]) -> set[Rule]:
+def expand_rules(rules: Iterable[dict[str, Any]], *, named: bool = False) -> set[Rule]:
+    """The rules as (group, resource, verb) units; ``named`` allows rules limited to
+    ``resourceNames`` (the Lease's), whose resource then reads ``leases/<name>``."""
     out: set[Rule] = set()
     for r in rules:
+        if named and r.get("resourceNames"):
+            out |= {Rule(g, f"{res}/{n}", v) for g in r.get("apiGroups", [])
+                    for res in r.get("resources", []) for n in r["resourceNames"]
+                    for v in r.get("verbs", [])}  # fmt: skip
+            continue
         assert not r.get("resourceNames"), f"unexpected resourceNames in {r}"
         assert not r.get("nonResourceURLs"), f"unexpected nonResourceURLs in {r}"
         for g in r.get("apiGroups", []):

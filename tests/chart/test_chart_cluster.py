@@ -28,8 +28,6 @@ RELEASE = "kvbridge"
 CRDS = {
     "kvtransfers.kvbridge.io",
     "kvendpoints.kvbridge.io",
-    "clusterkopfpeerings.kopf.dev",
-    "kopfpeerings.kopf.dev",
 }
 
 
@@ -39,7 +37,7 @@ def _left_behind(before: set, after: set) -> set:
         o
         for o in after - before
         if o[0] != "CustomResourceDefinition"
-        and not (o[0] == "APIService" and o[2] in {"v1alpha1.kvbridge.io", "v1.kopf.dev"})
+        and not (o[0] == "APIService" and o[2] == "v1alpha1.kvbridge.io")
     }
 
 
@@ -79,10 +77,12 @@ def test_install_upgrade_uninstall(kube: Kube) -> None:
         for crd in CRDS:
             kube.kubectl("wait", "--for=condition=established", f"crd/{crd}", "--timeout=30s")
         dep = kube.get("deployment", RELEASE, "-n", NS)
-        assert dep["spec"]["replicas"] == 1
+        assert dep["spec"]["replicas"] == 2
         assert "--debug" not in _command(kube)
-        assert kube.exists("clusterkopfpeering", "kvbridge")
         for obj in (
+            ("role", "kvbridge-leader-election"),
+            ("rolebinding", "kvbridge-leader-election"),
+            ("poddisruptionbudget", "kvbridge"),
             ("serviceaccount", "kvbridge-agent"),
             ("role", "kvbridge-agent"),
             ("service", "kvbridge-webhook"),
@@ -156,11 +156,9 @@ def test_namespaced_install(kube: Kube) -> None:
             assert {r for rule in role["rules"] for r in rule["resources"]} >= {
                 "kvtransfers",
                 "kvendpoints",
-                "kopfpeerings",
             }
-            assert kube.exists("kopfpeering", "kvbridge", "-n", ns)
             assert kube.exists("rolebinding", "kvbridge-agent", "-n", ns)
-        assert not kube.exists("clusterkopfpeering", "kvbridge")
+        assert kube.exists("role", "kvbridge-leader-election", "-n", NS)
         assert kube.exists("validatingwebhookconfiguration", f"{RELEASE}-{NS}")
         assert "--namespace=team-a" in _command(kube)
     finally:
@@ -174,8 +172,11 @@ def test_namespaced_install(kube: Kube) -> None:
 
 
 def _can_i(kube: Kube, sa: str, verb: str, resource: str, namespace: str) -> bool:
-    # "kind/x" would mean the object named x: subresources go in --subresource.
+    # "kind/x" would mean the object named x: subresources go in --subresource (a Lease's
+    # name stays: the leader election's rules are limited to one Lease).
     resource, _, sub = resource.partition("/")
+    if resource.startswith("leases.") and sub:
+        resource, sub = f"{resource}/{sub}", ""
     extra = [f"--subresource={sub}"] if sub else []
     proc = kube.kubectl(
         "auth",
@@ -209,7 +210,9 @@ def test_service_account_permissions(kube: Kube) -> None:
             ("kvbridge", "watch", "kvendpoints.kvbridge.io", "other"),
             ("kvbridge", "list", "nodes", ""),
             ("kvbridge", "create", "events", "other"),
-            ("kvbridge", "patch", "clusterkopfpeerings.kopf.dev", ""),
+            ("kvbridge", "create", "leases.coordination.k8s.io", NS),
+            ("kvbridge", "update", "leases.coordination.k8s.io/kvbridge-operator", NS),
+            ("kvbridge", "get", "leases.coordination.k8s.io/kvbridge-operator", NS),
         ]
         denied = [
             ("kvbridge-agent", "delete", "kvendpoints.kvbridge.io", NS),
@@ -227,6 +230,9 @@ def test_service_account_permissions(kube: Kube) -> None:
             ("kvbridge", "delete", "kvendpoints.kvbridge.io", "other"),
             ("kvbridge", "update", "kvtransfers.kvbridge.io", "other"),
             ("kvbridge", "create", "validatingwebhookconfigurations", ""),
+            ("kvbridge", "create", "leases.coordination.k8s.io", "other"),
+            ("kvbridge", "update", "leases.coordination.k8s.io/kube-scheduler", NS),
+            ("kvbridge", "delete", "leases.coordination.k8s.io/kvbridge-operator", NS),
         ]
         for case in allowed:
             assert _can_i(kube, *case), f"expected allowed: {case}"
@@ -315,7 +321,8 @@ def _local_env(kube: Kube, work: Path, ports: dict[str, int]) -> dict[str, str]:
     assert env["KVBRIDGE_WEBHOOK_KEY"].endswith("/tls.key")
     env.update(
         {
-            "POD_ID": "kvbridge-chart-test",
+            "POD_NAME": "kvbridge-chart-test",
+            "POD_NAMESPACE": NS,
             "KVBRIDGE_METRICS_PORT": str(ports["metrics"]),
             "KVBRIDGE_METRICS_ADDR": "127.0.0.1",
             "KVBRIDGE_WEBHOOK_PORT": str(ports["webhook"]),
@@ -433,7 +440,7 @@ def test_operator_reconciles_with_the_chart_service_account(
         work = tmp_path / "operator"
         work.mkdir()
         op = _deployment_operator(kube, work, ports)
-        assert op.env["KVBRIDGE_PEERING"] == "kvbridge"  # mandatory peering, chart's object
+        assert op.env["KVBRIDGE_LEASE_NAME"] == "kvbridge-operator"  # the chart's Role names it
         with kc.FakeKubelet(kube.cluster.api_client(), {"node-a": {}}):
             op.start()
             admin = Api(kube.cluster.api_client())

@@ -46,8 +46,8 @@ VALUES = values_files()
 INFERENCE_API = "inference.networking.k8s.io/v1"
 # Values files of setups that need more than the chart's floor: the Kubernetes version and the
 # extra APIs their pretend cluster serves (the gateway's gRPC probes need 1.24).
-CLUSTERS = {"gateway": ("1.29.0", ("kopf.dev/v1", INFERENCE_API)),
-            "pair-choice": ("1.29.0", ("kopf.dev/v1", INFERENCE_API))}
+CLUSTERS = {"gateway": ("1.29.0", (INFERENCE_API,)),
+            "pair-choice": ("1.29.0", (INFERENCE_API,))}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def rendered() -> dict[str, list[dict[str, Any]]]:
     CLUSTERS names)."""
     out = {}
     for name in VALUES:
-        kube, apis = CLUSTERS.get(name, ("1.20.2", ("kopf.dev/v1",)))
+        kube, apis = CLUSTERS.get(name, ("1.20.2", ()))
         out[name] = render(name, kube_version=kube, api_versions=apis)
     return out
 
@@ -95,8 +95,8 @@ def test_crds_are_identical_to_the_source() -> None:
 
 def _validate_k8s(obj: dict[str, Any]) -> None:
     if (obj["apiVersion"], obj["kind"]) == ("policy/v1beta1", "PodDisruptionBudget"):
-        # What the chart renders for Kubernetes < 1.21 (maxUnavailable and a selector) means
-        # the same in policy/v1, which is as far back as kubernetes-validate goes.
+        # What the chart renders for Kubernetes < 1.21 (maxUnavailable or minAvailable, and a
+        # selector) means the same in policy/v1, as far back as kubernetes-validate goes.
         obj = {**obj, "apiVersion": "policy/v1"}
     try:
         kubernetes_validate.validate(obj, VALIDATE_AS, strict=True)
@@ -157,7 +157,6 @@ def test_every_object_validates_strictly(name: str, rendered: dict) -> None:
         if obj["kind"] not in {
             "ClusterRole",
             "ClusterRoleBinding",
-            "ClusterKopfPeering",
             "CustomResourceDefinition",
             "ValidatingWebhookConfiguration",
         }:
@@ -191,8 +190,15 @@ def test_kubernetes_validate_rejects_bad_types() -> None:
 # --- values schema --------------------------------------------------------------------------
 
 BAD_VALUES = [
-    (["operator.replicas=2"], "/operator/replicas"),
+    (["operator.replicas=-1"], "/operator/replicas"),
     (["operator.replicas=one"], "/operator/replicas': got string, want integer"),
+    (["operator.leaderElection.leaseDurationSeconds=7.5"],
+     "/operator/leaderElection/leaseDurationSeconds"),
+    (["operator.leaderElection.retryPeriodSeconds=0"],
+     "/operator/leaderElection/retryPeriodSeconds"),
+    (["operator.podDisruptionBudget.minAvailable=half"], "/operator/podDisruptionBudget"),
+    # kopf peering is gone (leader election replaced it): its old values are refused by name.
+    (["operator.peering.enabled=false"], "additional properties 'peering' not allowed"),
     (["operator.scope=global"], "'cluster', 'namespaced'"),
     (["operator.logLevel=verbose"], "/operator/logLevel"),
     (["operator.watchNamespaces={Team_A}"], "/operator/watchNamespaces/0"),
@@ -281,8 +287,9 @@ def test_rbac_has_no_wildcards(name: str, rendered: dict) -> None:
 
 # The operator's own RBAC manifest: the one list of what the operator uses.
 OPERATOR_MANIFEST = REPO / "hack" / "operator-rbac.yaml"
-CLUSTER_SCOPED = {"nodes", "clusterkopfpeerings", "customresourcedefinitions", "namespaces"}
+CLUSTER_SCOPED = {"nodes", "customresourcedefinitions", "namespaces"}
 KOPF_NAMESPACED_EXTRA = {Rule("", "namespaces", v) for v in ("list", "watch")}
+LEASE_GROUP = "coordination.k8s.io"
 AGENT = {
     *(Rule("kvbridge.io", "kvendpoints", v) for v in ("create", "get", "update", "patch")),
     *(Rule("kvbridge.io", "kvendpoints/status", v) for v in ("get", "update", "patch")),
@@ -290,49 +297,45 @@ AGENT = {
 }
 
 
-def _manifest_rules() -> set[Rule]:
+def _manifest_rules(*, leases: bool = False) -> set[Rule]:
+    """The manifest's rules: those on the watched objects, or (``leases``) the Lease's, which
+    the chart grants apart, in the release namespace."""
     docs = [d for d in yaml.safe_load_all(OPERATOR_MANIFEST.read_text()) if d]
     (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
-    return expand_rules(role["rules"])
-
-
-def _peering(resource: str) -> set[Rule]:
-    return {Rule("kopf.dev", resource, v) for v in ("get", "list", "watch", "patch")}
+    rules = [r for r in role["rules"] if (LEASE_GROUP in r["apiGroups"]) == leases]
+    return expand_rules(rules, named=leases)
 
 
 def _operator_roles(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The operator's roles on the objects it watches (the leader election's Role aside)."""
     return [
         r
         for r in _roles(objs)
         if r["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+        and not r["metadata"]["name"].endswith("-leader-election")
     ]
 
 
 def test_operator_rbac_cluster_scope() -> None:
-    """Cluster scope grants the operator's manifest, less the namespaced KopfPeering that
-    kopf only uses in namespaced mode."""
+    """Cluster scope grants the operator's manifest (less the Lease rules) in one
+    ClusterRole."""
     manifest = _manifest_rules()
     objs = render("defaults")
     (role,) = _operator_roles(objs)
     assert role["kind"] == "ClusterRole"
-    assert expand_rules(role["rules"]) == manifest - _peering("kopfpeerings")
+    assert expand_rules(role["rules"]) == manifest
     binding = one(objs, "ClusterRoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "kvbridge", "namespace": NAMESPACE}
     ]
-    # Without peering (or before the kopf.dev API exists) no peering rules either.
-    (role,) = _operator_roles(render(sets=["operator.peering.enabled=false"]))
-    assert expand_rules(role["rules"]) == manifest - _peering("kopfpeerings") - _peering(
-        "clusterkopfpeerings"
-    )
 
 
 def test_operator_rbac_namespaced_scope(rendered: dict) -> None:
     """Namespaced scope: the manifest's namespaced rules in a Role per watched namespace, only
     the cluster-scoped reads in a ClusterRole, plus the namespace list/watch that kopf needs
     in namespaced mode only (the manifest describes the cluster-wide operator)."""
-    manifest = _manifest_rules() - _peering("clusterkopfpeerings") | KOPF_NAMESPACED_EXTRA
+    manifest = _manifest_rules() | KOPF_NAMESPACED_EXTRA
     objs = rendered["namespaced"]
     roles = _operator_roles(objs)
     ns_roles = {r["metadata"]["namespace"]: r for r in roles if r["kind"] == "Role"}
@@ -349,11 +352,33 @@ def test_operator_rbac_namespaced_scope(rendered: dict) -> None:
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     for b in bindings:
         assert b["subjects"][0]["namespace"] == NAMESPACE
-    assert {p["metadata"]["namespace"] for p in by_kind(objs, "KopfPeering")} == {
-        "team-a",
-        "team-b",
-    }
-    assert not by_kind(objs, "ClusterKopfPeering")
+
+
+@pytest.mark.parametrize("name", ["defaults", "namespaced", "cluster-wide"])
+def test_leader_election_rbac_is_the_lease_only(name: str, rendered: dict) -> None:
+    """Whatever the scope, a Role in the release namespace lets the operator create a Lease
+    and get and update its own (the manifest's rules, for the chart's Lease name), bound to
+    the operator's ServiceAccount; nothing else on Leases anywhere."""
+    objs = rendered[name]
+    lease = "kvbridge-prod" if name == "cluster-wide" else "kvbridge-operator"
+    role = one(objs, "Role", "kvbridge-leader-election")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    expected = {Rule(r.group, r.resource.replace("kvbridge-operator", lease), r.verb)
+                for r in _manifest_rules(leases=True)}  # fmt: skip
+    assert expand_rules(role["rules"], named=True) == expected
+    binding = one(objs, "RoleBinding", "kvbridge-leader-election")
+    assert binding["metadata"]["namespace"] == NAMESPACE
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "kvbridge-leader-election"}  # fmt: skip
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvbridge",
+                                    "namespace": NAMESPACE}]  # fmt: skip
+    for other in _operator_roles(objs):
+        assert not any(LEASE_GROUP in r["apiGroups"] for r in other["rules"]), other
+    assert _env(objs)["KVBRIDGE_LEASE_NAME"] == lease
+    assert not by_kind(rendered["minimal"], "Role") or not [
+        r for r in by_kind(rendered["minimal"], "Role")
+        if r["metadata"]["name"].endswith("-leader-election")
+    ]
 
 
 def test_namespaced_scope_defaults_to_the_release_namespace() -> None:
@@ -445,10 +470,9 @@ def _command(objs: list[dict[str, Any]]) -> list[str]:
 def test_operator_command_line(rendered: dict) -> None:
     cmd = _command(rendered["defaults"])
     assert cmd[:3] == ["kopf", "run", "--module=kvbridge_operator.main"]
-    assert "--all-namespaces" in cmd and "--priority=0" in cmd
+    assert "--all-namespaces" in cmd and not [a for a in cmd if a.startswith("--priority")]
     assert "--liveness=http://0.0.0.0:8080/healthz" in cmd
     assert not {"--debug", "--quiet"} & set(cmd)
-    assert _env(rendered["defaults"])["KVBRIDGE_PEERING"] == "kvbridge"
 
     cmd = _command(rendered["namespaced"])
     assert [a for a in cmd if a.startswith("--namespace=")] == [
@@ -458,13 +482,9 @@ def test_operator_command_line(rendered: dict) -> None:
     assert "--quiet" in cmd and "--all-namespaces" not in cmd
 
     cmd = _command(rendered["cluster-wide"])
-    assert {"--debug", "--log-format=json", "--priority=10", "--log-refkey=kvbridge"} <= set(cmd)
+    assert {"--debug", "--log-format=json", "--log-refkey=kvbridge"} <= set(cmd)
     assert _env(rendered["cluster-wide"])["KVBRIDGE_KOPF_LOG_LEVEL"] == "DEBUG"
     assert "KVBRIDGE_KOPF_LOG_LEVEL" not in _env(rendered["defaults"])
-    assert _env(rendered["cluster-wide"])["KVBRIDGE_PEERING"] == "kvbridge-prod"
-    # No peering object, no peering: the operator runs standalone.
-    assert _env(rendered["minimal"])["KVBRIDGE_PEERING"] == ""
-    assert _env(render(api_versions=()))["KVBRIDGE_PEERING"] == ""
 
 
 def _env(objs: list[dict[str, Any]]) -> dict[str, str]:
@@ -495,12 +515,79 @@ def test_webhook_paths_are_the_operator_handler_ids() -> None:
     assert paths == {plural: f"/{hook_id}" for hook_id, plural in WEBHOOKS.items()}
 
 
-def test_peering_object_waits_for_the_kopf_api() -> None:
-    """Helm installs crds/ before rendering, so a real install has the kopf.dev API; a dry run
-    against a cluster without the CRDs does not, and must still render and apply."""
-    assert one(render(), "ClusterKopfPeering")["metadata"]["name"] == "kvbridge"
-    assert not by_kind(render(api_versions=()), "ClusterKopfPeering")
-    assert not by_kind(render(sets=["operator.peering.enabled=false"]), "ClusterKopfPeering")
+def test_operator_replicas_lead_through_a_lease(rendered: dict) -> None:
+    """Two replicas by default, each named in the Lease after its pod, the chart's timing
+    handed to the operator, rolling updates that never take the last pod (a stopping leader
+    releases the Lease), a PodDisruptionBudget and a soft spread over nodes."""
+    objs = rendered["defaults"]
+    dep = one(objs, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate",
+                                       "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    values = _env(objs)
+    assert {k: values[k] for k in values if "LEASE" in k or "LEADER" in k} == {
+        "KVBRIDGE_LEADER_ELECTION": "true",
+        "KVBRIDGE_LEASE_NAME": "kvbridge-operator",
+        "KVBRIDGE_LEASE_DURATION": "15",
+        "KVBRIDGE_LEASE_RENEW_DEADLINE": "10",
+        "KVBRIDGE_LEASE_RETRY_PERIOD": "2",
+    }
+    selector = dep["spec"]["selector"]["matchLabels"]
+    pdb = one(objs, "PodDisruptionBudget")
+    assert pdb["apiVersion"] == "policy/v1beta1"  # rendered for Kubernetes 1.20
+    assert pdb["spec"] == {"minAvailable": 1, "selector": {"matchLabels": selector}}
+    (term,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"] == {"topologyKey": "kubernetes.io/hostname",
+                                       "labelSelector": {"matchLabels": selector}}
+    # The webhook Service selects every replica: standbys serve admission too.
+    (svc,) = [s for s in by_kind(objs, "Service") if s["metadata"]["name"] == "kvbridge-webhook"]
+    assert svc["spec"]["selector"] == selector
+
+    wide = rendered["cluster-wide"]
+    assert one(wide, "Deployment")["spec"]["replicas"] == 3
+    assert one(wide, "PodDisruptionBudget")["spec"]["minAvailable"] == 2
+    assert {k: v for k, v in _env(wide).items() if k.startswith("KVBRIDGE_LEASE_")} == {
+        "KVBRIDGE_LEASE_NAME": "kvbridge-prod", "KVBRIDGE_LEASE_DURATION": "30",
+        "KVBRIDGE_LEASE_RENEW_DEADLINE": "20", "KVBRIDGE_LEASE_RETRY_PERIOD": "4"}
+    assert one(render(kube_version="1.29.0"), "PodDisruptionBudget")["apiVersion"] == "policy/v1"
+
+
+def test_one_replica_or_none_needs_no_budget_and_no_election() -> None:
+    """One replica: no PDB (it would block every drain) and no anti-affinity; leader election
+    off is allowed only up to one replica (every replica would act), and then the Deployment
+    recreates its pod instead of rolling."""
+    one_pod = render(sets=["operator.replicas=1"])
+    assert not by_kind(one_pod, "PodDisruptionBudget")
+    assert "affinity" not in one(one_pod, "Deployment")["spec"]["template"]["spec"]
+    alone = render(sets=["operator.replicas=1", "operator.leaderElection.enabled=false"])
+    dep = one(alone, "Deployment")
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    assert _env(alone)["KVBRIDGE_LEADER_ELECTION"] == "false"
+    assert "KVBRIDGE_LEASE_NAME" not in _env(alone)
+    assert not [r for r in by_kind(alone, "Role") if r["metadata"]["name"].endswith("-election")]
+    custom = render(sets=["operator.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuring"
+                          "Execution.nodeSelectorTerms[0].matchExpressions[0].key=pool",
+                          "operator.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuring"
+                          "Execution.nodeSelectorTerms[0].matchExpressions[0].operator=Exists"])
+    assert set(one(custom, "Deployment")["spec"]["template"]["spec"]["affinity"]) == {
+        "nodeAffinity"}  # operator.affinity replaces the default spread
+
+
+@pytest.mark.parametrize(("sets", "fragment"), [
+    (["operator.leaderElection.enabled=false"], "operator.replicas > 1 needs"),
+    (["operator.leaderElection.renewDeadlineSeconds=15"],
+     "renewDeadlineSeconds must be less than leaseDurationSeconds"),
+    (["operator.leaderElection.retryPeriodSeconds=10"],
+     "retryPeriodSeconds must be less than renewDeadlineSeconds"),
+])  # fmt: skip
+def test_inconsistent_leader_election_values_fail(sets: list[str], fragment: str) -> None:
+    with pytest.raises(HelmError, match=re.escape(fragment)):
+        render(sets=sets)
 
 
 def test_image_reference() -> None:
@@ -845,7 +932,7 @@ def test_router_needs_its_transfer() -> None:
 
 GATEWAY_SETS = ["gateway.enabled=true", "gateway.transfer=llama-70b",
                 "gateway.inferencePool.matchLabels.role=decode"]
-WITH_POOL_API = ("kopf.dev/v1", INFERENCE_API)
+WITH_POOL_API = (INFERENCE_API,)
 READ_ONLY = expand_rules([{"apiGroups": ["kvbridge.io"],
                            "resources": ["kvtransfers", "kvendpoints"],
                            "verbs": ["get", "list", "watch"]}])
@@ -1097,7 +1184,7 @@ def test_drain_values_reach_the_pods(component: str, sets: list[str], name: str,
     assert budget["apiVersion"] == "policy/v1" and budget["spec"]["maxUnavailable"] == "50%"
     _validate_k8s(budget)
     objs = render(sets=[*sets, f"{component}.podDisruptionBudget.enabled=false"])
-    assert not by_kind(objs, "PodDisruptionBudget")
+    assert name not in {o["metadata"]["name"] for o in by_kind(objs, "PodDisruptionBudget")}
 
 
 def test_gateway_example_fits_the_serving_pods() -> None:
@@ -1156,7 +1243,8 @@ def test_gateway_example_fits_the_serving_pods() -> None:
     spread = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert spread[0]["podAffinityTerm"]["labelSelector"]["matchLabels"] == \
         dep["spec"]["selector"]["matchLabels"]
-    budget, chart_budget = one(items, "PodDisruptionBudget"), one(chart, "PodDisruptionBudget")
+    budget = one(items, "PodDisruptionBudget")
+    chart_budget = one(chart, "PodDisruptionBudget", "kvbridge-epp")
     assert budget["spec"]["selector"] == dep["spec"]["selector"]
     assert budget["spec"]["maxUnavailable"] == chart_budget["spec"]["maxUnavailable"]
     assert [(p["name"], p["containerPort"]) for p in picker["ports"]] == [

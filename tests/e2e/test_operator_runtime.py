@@ -1,4 +1,5 @@
-"""The operator process: least-privilege RBAC, metrics, liveness, events, finalizer, peering."""
+"""The operator process: least-privilege RBAC, metrics, liveness, events, finalizer, and a
+standby replica taking over from a leader stopped cleanly."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from kvbridge_operator.config import FINALIZER
 from kvbridge_testkit.cluster import free_port
-from kvbridge_testkit.e2e import Api, http_get, wait_for
+from kvbridge_testkit.e2e import Api, http_get, lease_holder, wait_for
 from kvbridge_testkit.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.k8s
@@ -31,10 +32,17 @@ SA = "system:serviceaccount:kvbridge-system:kvbridge-operator"
     ("create", "validatingwebhookconfigurations.admissionregistration.k8s.io", False),
     ("watch", "customresourcedefinitions.apiextensions.k8s.io", True),  # kopf's resource scan
     ("patch", "customresourcedefinitions.apiextensions.k8s.io", False),
+    ("create", "leases.coordination.k8s.io", True),  # leader election
+    ("update", "leases.coordination.k8s.io/kvbridge-operator", True),
+    ("update", "leases.coordination.k8s.io/kube-controller-manager", False),
+    ("delete", "leases.coordination.k8s.io/kvbridge-operator", False),
+    ("list", "leases.coordination.k8s.io", False),
 ])  # fmt: skip
 def test_operator_rbac_is_least_privilege(cluster, operator, verb: str, resource: str,
                                           allowed: bool) -> None:  # fmt: skip
     resource, _, sub = resource.partition("/")
+    if resource.startswith("leases."):  # a named Lease, not a subresource
+        resource, sub = f"{resource}/{sub}" if sub else resource, ""
     extra = [f"--subresource={sub}"] if sub else []
     out = cluster.kubectl("auth", "can-i", verb, resource, *extra, f"--as={SA}", "-A", check=False)
     assert out.stdout.strip() == ("yes" if allowed else "no"), out.stderr
@@ -91,25 +99,41 @@ def test_deleting_a_transfer_withdraws_peers(api: Api, ns: str) -> None:
     wait_for(lambda: not api.list("kvtransfers", ns), what="KVTransfer gone")
 
 
-def test_standby_replica_takes_over(operator: OperatorProcess, api: Api, ns: str) -> None:
+def test_standby_replica_takes_over_from_a_clean_stop(
+    cluster, operator: OperatorProcess, api: Api, ns: str
+) -> None:
+    """A second replica on the same Lease stands by: it writes nothing while the first leads.
+    The leader stopped cleanly (SIGTERM, as in a rolling update) releases the Lease on its way
+    out, so the standby leads at its next try (a retry period, 2 s), not after the lease
+    duration (15 s), and carries on planning."""
     api.create_transfer(ns)
     api.start_engine(ns, "p0", "prefill")
     api.start_engine(ns, "d0", "decode")
     api.wait_condition(ns, "HandshakesVerified", "False", reason="HandshakesPending")
-    ports = {**operator.ports, "metrics": free_port(), "liveness": free_port()}  # fmt: skip
+    leader = lease_holder(cluster.api_client())
+    assert leader, "the session's operator holds the Lease"
+    ports = {"metrics": free_port(), "liveness": free_port()}
     standby = OperatorProcess(operator.kubeconfig, operator.workdir / "standby",
                               {**operator.env, "KVBRIDGE_WEBHOOK_PORT": "0",
                                "KVBRIDGE_METRICS_PORT": str(ports["metrics"])}, ports)  # fmt: skip
     standby.workdir.mkdir(exist_ok=True)
-    standby.extra_args = ["--priority=-10"]
     standby.start()
     try:
-        time.sleep(3)  # kopf starts paused and stays silent while a higher priority peer lives
-        assert "Resuming operations" not in standby.log()
-        operator.stop()
+        time.sleep(3)
+        assert standby.metric("kvbridge_operator_leader ") == 0
+        assert standby.metric("kvbridge_status_writes_total") == 0
+        assert lease_holder(cluster.api_client()) == leader
+        operator.stop()  # returns once the process exited: the Lease is released by then
+        stopped = time.monotonic()
+        wait_for(lambda: lease_holder(cluster.api_client()) not in ("", leader), timeout=15,
+                 interval=0.05, what="the standby holds the Lease")  # fmt: skip
+        took = time.monotonic() - stopped
+        print(f"clean hand-over: the standby held the Lease {took:.2f} s after the leader exited")
+        assert took < 15 - 2, f"hand-over took {took:.2f} s: as long as an expiry, not a release"
         api.report_handshakes(ns)
         api.wait_condition(ns, "Ready", "True", timeout=60)
-        assert "Resuming operations" in standby.log()
+        assert standby.metric("kvbridge_operator_leader ") == 1
+        assert "Standing by until" in standby.log()
     finally:
         standby.stop()
         if operator.proc is None:

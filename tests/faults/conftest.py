@@ -36,13 +36,16 @@ def api(cluster: kc.LocalCluster) -> Api:
 @pytest.fixture(scope="module")
 def operator(cluster: kc.LocalCluster, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[OperatorProcess]:  # fmt: skip
-    """kopf at debug level: its watch restarts (410 Gone) are logged only there. ``POD_ID``
-    is kopf's peering identity, as the chart sets it: a restart of the process is a container
-    restart in the same pod. (A new identity would find its SIGKILLed predecessor's fresh
-    peering record and pause, as kopf does for peers of equal priority, until it expires.)
+    """kopf at debug level: its watch restarts (410 Gone) are logged only there. ``POD_NAME``
+    is the operator's Lease identity, as the chart sets it: a restart of the process is a
+    container restart in the same pod, which holds the Lease again at once. (A new identity
+    would wait for its SIGKILLed predecessor's Lease to expire.) The Lease lasts longer than
+    any fault here keeps the operator from renewing it (a frozen process, an API server down
+    for seconds): one replica with no kubelet to restart it must not give up its term.
     A debounce of 0.3 s (0.2 s by default) leaves the SIGKILL test a window to land in."""
     op = deploy_operator(cluster, tmp_path_factory.mktemp("faults-operator"),
-                         {"POD_ID": "kvbridge-operator-faults", "KVBRIDGE_DEBOUNCE": "0.3"},
+                         {"POD_NAME": "kvbridge-operator-faults", "KVBRIDGE_DEBOUNCE": "0.3",
+                          "KVBRIDGE_LEASE_DURATION": "300", "KVBRIDGE_LEASE_RENEW_DEADLINE": "240"},
                          extra_args=["--debug"])  # fmt: skip
     try:
         yield op

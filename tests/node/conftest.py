@@ -90,11 +90,14 @@ def api(cluster: kc.LocalCluster) -> Api:
 
 @pytest.fixture(scope="session")
 def release(kube: Kube, images: dict[str, str]) -> Iterator[str]:
-    """The chart, unmodified, installed with the local operator image; agents in AGENT_NS."""
+    """The chart, unmodified, installed with the local operator image; agents in AGENT_NS.
+    One operator replica (leader election on): these tests follow the operator's pod through
+    deletion and upgrade; the hand-over between two replicas is
+    tests/e2e/test_operator_leader_election.py's."""
     for ns in (OPERATOR_NS, AGENT_NS, ZONES_NS):
         kube.create_namespace(ns)
     kube.helm("install", RELEASE, str(CHART), "-n", OPERATOR_NS,
-              *image_values(images["KVB_IMAGE_OPERATOR"]),
+              *image_values(images["KVB_IMAGE_OPERATOR"]), "--set", "operator.replicas=1",
               "--set", f"agent.namespaces={{{AGENT_NS},{ZONES_NS}}}", timeout=180)  # fmt: skip
     wait_rollout(kube)
     # Ready pods are not yet a reachable Service: wait until kube-proxy routes the API

@@ -110,8 +110,28 @@ scope, else operator.watchNamespaces or, when that is empty, the release namespa
 {{- .Values.agent.namespaces | default (list .Release.Namespace) | uniq | toJson }}
 {{- end }}
 
-{{- define "kvbridge.peeringName" -}}
-{{- required "operator.peering.name must not be empty when operator.peering.enabled" .Values.operator.peering.name }}
+{{/* The operator's leader-election Lease (in the release namespace). */}}
+{{- define "kvbridge.leaseName" -}}
+{{- .Values.operator.leaderElection.leaseName | default (printf "%s-operator" (include "kvbridge.fullname" .)) }}
+{{- end }}
+
+{{/*
+Checks of operator values the schema cannot express: the leader election's timing (the
+operator refuses the same at start-up) and several replicas without leader election.
+*/}}
+{{- define "kvbridge.operatorChecks" -}}
+{{- $op := .Values.operator }}
+{{- $le := $op.leaderElection }}
+{{- if $le.enabled }}
+{{- if not (lt (float64 $le.renewDeadlineSeconds) (float64 $le.leaseDurationSeconds)) }}
+{{- fail "operator.leaderElection.renewDeadlineSeconds must be less than leaseDurationSeconds" }}
+{{- end }}
+{{- if not (lt (float64 $le.retryPeriodSeconds) (float64 $le.renewDeadlineSeconds)) }}
+{{- fail "operator.leaderElection.retryPeriodSeconds must be less than renewDeadlineSeconds" }}
+{{- end }}
+{{- else if gt (int $op.replicas) 1 }}
+{{- fail "operator.replicas > 1 needs operator.leaderElection.enabled: without it every replica would act" }}
+{{- end }}
 {{- end }}
 
 {{- define "kvbridge.webhookServiceName" -}}
@@ -188,7 +208,8 @@ namespaceSelector:
 {{/*
 Rules the operator needs inside every namespace it watches (the whole cluster in cluster
 scope): the same rules as hack/operator-rbac.yaml, the operator's own list (tests/chart
-compares the two). KVEndpoints are only read: the agents own their spec.
+compares the two), but for the Lease's (kvbridge.leaderElectionRules). KVEndpoints are only
+read: the agents own their spec.
 */}}
 {{- define "kvbridge.operatorRules" -}}
 - apiGroups: ["kvbridge.io"]
@@ -203,17 +224,25 @@ compares the two). KVEndpoints are only read: the agents own their spec.
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
-{{- if and (include "kvbridge.peeringRendered" .) (eq .Values.operator.scope "namespaced") }}
-- apiGroups: ["kopf.dev"]
-  resources: ["kopfpeerings"]
-  verbs: ["get", "list", "watch", "patch"]
 {{- end }}
+
+{{/*
+The leader election's rules, in the release namespace only: create a Lease (RBAC cannot limit
+create to a name), get and update the operator's own.
+*/}}
+{{- define "kvbridge.leaderElectionRules" -}}
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["create"]
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  resourceNames: [{{ include "kvbridge.leaseName" . | quote }}]
+  verbs: ["get", "update"]
 {{- end }}
 
 {{/*
 Rules on cluster-scoped objects: node labels (TopologyAware pairing), CRDs (kopf notices
-resources appearing and disappearing at run time), namespaces (namespaced kopf only) and the
-cluster peering.
+resources appearing and disappearing at run time) and namespaces (namespaced kopf only).
 */}}
 {{- define "kvbridge.operatorClusterRules" -}}
 - apiGroups: [""]
@@ -229,20 +258,6 @@ without it, it retries for about a minute before starting. */}}
   resources: ["namespaces"]
   verbs: ["list", "watch"]
 {{- end }}
-{{- if and (include "kvbridge.peeringRendered" .) (eq .Values.operator.scope "cluster") }}
-- apiGroups: ["kopf.dev"]
-  resources: ["clusterkopfpeerings"]
-  verbs: ["get", "list", "watch", "patch"]
-{{- end }}
-{{- end }}
-
-{{/*
-"true" when the chart creates the kopf peering object(s): peering enabled and the kopf.dev API
-known (Helm installs crds/ before rendering). The operator is only told to use peering
-(KVBRIDGE_PEERING, which makes it mandatory) when the object exists.
-*/}}
-{{- define "kvbridge.peeringRendered" -}}
-{{- if and .Values.operator.peering.enabled (.Capabilities.APIVersions.Has "kopf.dev/v1") }}true{{ end }}
 {{- end }}
 
 {{/* The serving pods' rules: their own KVEndpoint and its handshake status; KVTransfers read-only. */}}
