@@ -13,6 +13,8 @@ own compatibility hash misses. Then, as users run them:
 - ``kubectl rollout restart`` of the decode, then of the prefill Deployment: no request
   fails or is answered wrong, and no engine takes a request before it is Ready or once it is
   terminating (its own counters say so);
+- ``helm upgrade`` of the release to a new image tag: the operator and the two router pods
+  roll, the routers draining; no request fails;
 - the decode Deployment alone rolled to revision C: the B prefill never serves a C decode;
   RevisionsMatched turns False (RevisionWithoutPrefill) and the operator's metrics hold what
   the KVBridgeRevisionWithoutPeer alert fires on; requests flow on the B pairs until the last
@@ -35,11 +37,13 @@ from typing import Any
 import pytest
 import yaml
 from chartlib import CHART, Kube
+from kubernetes import client
 from nodelib import AGENT_NS, OPERATOR_NS, RELEASE
 
 from kvbridge_agent.resources import revision_label
 from kvbridge_testkit import vllm_pods as vp
 from kvbridge_testkit.e2e import Api, wait_for
+from kvbridge_testkit.node_pods import image_values
 from kvbridge_testkit.openai_load import LoadRecord, openai_load
 from kvbridge_testkit.pod_audit import pod_audit
 
@@ -81,9 +85,17 @@ def apply(kube: Kube, doc: dict[str, Any]) -> None:
     kube.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump(doc))
 
 
-def rolled_out(kube: Kube, role: str) -> None:
-    kube.kubectl("rollout", "status", f"deployment/{T}-{role}", "-n", NS,
-                 f"--timeout={ROLLOUT_S}s", timeout=ROLLOUT_S + 30)  # fmt: skip
+def rolled_out(api: Api, role: str) -> None:
+    """Wait as ``kubectl rollout status`` does: every replica updated and available, no old
+    one left."""
+    apps = client.AppsV1Api(api.core.api_client)
+
+    def done() -> bool:
+        d = apps.read_namespaced_deployment(f"{T}-{role}", NS)
+        s = d.status
+        return (s.observed_generation or 0) >= d.metadata.generation and \
+            s.updated_replicas == s.replicas == s.available_replicas == d.spec.replicas
+    wait_for(done, timeout=ROLLOUT_S, interval=2, what=f"the {role} Deployment rolled out")
 
 
 def revisions_of(api: Api, role: str) -> set[str]:
@@ -122,8 +134,8 @@ def revision_history(api: Api) -> Iterator[list[tuple[float, dict[str, tuple[int
         while not stop.wait(1.0):
             with contextlib.suppress(Exception):
                 status = api.transfer(NS, T).get("status") or {}
-                now = {r["revision"]: (r.get("prefills", 0), r.get("decodes", 0),
-                                       r.get("pairs", 0))
+                now = {revision_label(r.get("revision", ""), r.get("fingerprint", "")):
+                       (r.get("prefills", 0), r.get("decodes", 0), r.get("pairs", 0))
                        for r in status.get("revisions") or []}  # fmt: skip
                 if not seen or seen[-1][1] != now:
                     seen.append((time.monotonic(), now))
@@ -167,7 +179,8 @@ def stack(api: Api, kube: Kube, release: str, images: dict[str, str]) -> Iterato
                            ("kvtransfer", T)):  # fmt: skip
             kube.kubectl("delete", kind, name, "-n", NS, "--ignore-not-found", "--wait=false")
         kube.helm("upgrade", RELEASE, str(CHART), "-n", OPERATOR_NS, "--reuse-values",
-                  "--set", "router.enabled=false", timeout=240)  # fmt: skip
+                  *image_values(images["KVB_IMAGE_OPERATOR"]), "--set", "router.enabled=false",
+                  timeout=240)  # fmt: skip
         wait_for(lambda: not api.core.list_namespaced_pod(
             NS, label_selector=f"app.kubernetes.io/name={T}").items, timeout=180, interval=1,
             what="the vLLM pods gone")  # fmt: skip
@@ -184,8 +197,8 @@ def test_rollout_of_prefill_and_decode_to_new_weights_and_image(
         start = time.monotonic()
         apply(kube, at_revision(stack.docs["prefill"], "B", image))
         apply(kube, at_revision(stack.docs["decode"], "B", image))
-        rolled_out(kube, "prefill")
-        rolled_out(kube, "decode")
+        rolled_out(api, "prefill")
+        rolled_out(api, "decode")
         (new,) = wait_for(lambda: (lambda r: r if len(r) == 1 and old not in r else None)(
             revisions_of(api, "decode") | revisions_of(api, "prefill")), timeout=120,
             what="only revision B's endpoints left")  # fmt: skip
@@ -220,7 +233,7 @@ def test_rolling_restart_fails_no_request(api: Api, kube: Kube, stack: Stack, ro
         wait_for(lambda: len(load.answered) >= 8, timeout=120, what="answers before")
         start = time.monotonic()
         kube.kubectl("rollout", "restart", f"deployment/{T}-{role}", "-n", NS)
-        rolled_out(kube, role)
+        rolled_out(api, role)
         wait_for(lambda: health(stack.router).get("verifiedPairs") == 2, timeout=240,
                  interval=1, what="the router with both pairs verified again")
         end = time.monotonic()
@@ -233,6 +246,38 @@ def test_rolling_restart_fails_no_request(api: Api, kube: Kube, stack: Stack, ro
     assert load.failed == [], load.failed[:5]
     assert load.wrong(stack.references) == []
     assert audit.violations == {}, audit
+
+
+def test_helm_upgrade_of_the_release_to_a_new_tag_fails_no_request(
+        api: Api, kube: Kube, node: Any, images: dict[str, str], stack: Stack) -> None:
+    """``helm upgrade`` of the whole release to a new image tag under load (issue #37): the
+    operator and both router pods roll (the routers drain, one at a time); no request fails
+    or is answered wrong."""
+    new = images["KVB_IMAGE_OPERATOR"].rsplit(":", 1)[0] + ":upgrade-b"
+    node.tag(images["KVB_IMAGE_OPERATOR"], new)
+    router_pods = f"app.kubernetes.io/component=router,app.kubernetes.io/instance={RELEASE}"
+
+    def images_of(ns: str, selector: str) -> set[str]:
+        return {c.image for p in api.core.list_namespaced_pod(ns, label_selector=selector).items
+                for c in p.spec.containers}  # fmt: skip
+
+    before = images_of(NS, router_pods)
+    with openai_load(stack.router, PROMPTS, MAX_TOKENS) as load:
+        wait_for(lambda: len(load.answered) >= 8, timeout=120, what="answers before")
+        start = time.monotonic()
+        kube.helm("upgrade", RELEASE, str(CHART), "-n", OPERATOR_NS, "--reuse-values",
+                  *image_values(new), "--wait", "--timeout=300s", timeout=360)  # fmt: skip
+        wait_for(lambda: images_of(NS, router_pods) == {new}, timeout=120, interval=1,
+                 what="only routers of the new tag")  # fmt: skip
+        end = time.monotonic()
+        answered = len(load.answered)
+        wait_for(lambda: len(load.answered) >= answered + 8, timeout=120, what="answers after")
+    log.info("helm upgrade %s -> %s took %.0f s: %s", sorted(before), new, end - start,
+             summary(load, start, end))
+    assert images_of(OPERATOR_NS, f"app.kubernetes.io/component=operator,"
+                                  f"app.kubernetes.io/instance={RELEASE}") == {new}
+    assert load.failed == [], load.failed[:5]
+    assert load.wrong(stack.references) == []
 
 
 def _operator_series(api: Api, name: str) -> list[tuple[dict[str, str], float]]:
@@ -265,7 +310,7 @@ def test_decode_rollout_alone_never_pairs_across_revisions(
         pairs = [v for labels, v in _operator_series(api, "kvbridge_transfer_revision_pairs")
                  if labels.get("revision") == lone and labels.get("transfer") == T]
         assert sum(engines) > 0 and sum(pairs) == 0, (engines, pairs)
-        rolled_out(kube, "decode")
+        rolled_out(api, "decode")
         wait_for(lambda: health(stack.router).get("status") == "unavailable", timeout=240,
                  interval=1, what="the router out of pairs once the B decodes are gone")
         out_of_pairs = time.monotonic()
