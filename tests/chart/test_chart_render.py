@@ -529,6 +529,8 @@ def test_operator_replicas_lead_through_a_lease(rendered: dict) -> None:
                                        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    # kopf's identity: without POD_ID it asks the OS for a user name the non-root UID lacks.
+    assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     values = _env(objs)
     assert {k: values[k] for k in values if "LEASE" in k or "LEADER" in k} == {
         "KVBRIDGE_LEADER_ELECTION": "true",

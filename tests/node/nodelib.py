@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,13 @@ ZONES_NS = "kvb-zones"
 
 
 def wait_rollout(kube: Kube, timeout: int = 180) -> None:
-    proc = kube.kubectl("rollout", "status", f"deployment/{RELEASE}", "-n", OPERATOR_NS,
-                        f"--timeout={timeout}s", check=False)  # fmt: skip
+    # kubectl runs under a 60 s limit here: ask in steps shorter than that
+    deadline = time.monotonic() + timeout
+    while True:
+        proc = kube.kubectl("rollout", "status", f"deployment/{RELEASE}", "-n", OPERATOR_NS,
+                            "--timeout=45s", check=False)  # fmt: skip
+        if proc.returncode == 0 or time.monotonic() > deadline:
+            break
     if proc.returncode != 0:
         pods = kube.kubectl("get", "pods", "-n", OPERATOR_NS, "-o", "wide", check=False).stdout
         events = kube.kubectl("get", "events", "-n", OPERATOR_NS, check=False).stdout
