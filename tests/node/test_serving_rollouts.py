@@ -103,13 +103,14 @@ def revisions_of(api: Api, role: str) -> set[str]:
     return {revision_label(e["spec"].get("model", {}).get("revision", ""),
                            e["spec"].get("model", {}).get("fingerprint", ""))
             for e in api.endpoints(NS).values()
-            if e["spec"]["role"] == role and not e["metadata"].get("deletionTimestamp")}
+            if e["spec"]["transferName"] == T and e["spec"]["role"] == role
+            and not e["metadata"].get("deletionTimestamp")}
 
 
 def references_of(api: Api, revision: str) -> dict[str, str]:
     """Each prompt's greedy answer from one prefill engine of ``revision`` computing it alone."""
     (pod,) = [e["spec"]["podName"] for e in api.endpoints(NS).values()
-              if e["spec"]["role"] == "prefill"
+              if e["spec"]["transferName"] == T and e["spec"]["role"] == "prefill"
               and revision_label(e["spec"]["model"].get("revision", ""),
                                  e["spec"]["model"]["fingerprint"]) == revision]
     ip = api.core.read_namespaced_pod(pod, NS).status.pod_ip
