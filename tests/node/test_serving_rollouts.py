@@ -243,7 +243,7 @@ def test_rolling_restart_fails_no_request(api: Api, kube: Kube, stack: Stack, ro
     log.info("rolling restart of the %s Deployment took %.0f s: %s; pods audited %s", role,
              end - start, summary(load, start, end), audit)
     assert not before & {p.metadata.name for p in vp.role_pods(api.core, NS, role)}
-    assert set(audit.terminating) == before, audit
+    assert before <= set(audit.terminating), audit   # (the last test's pods may still go)
     assert load.failed == [], load.failed[:5]
     assert load.wrong(stack.references) == []
     assert audit.violations == {}, audit
