@@ -10,9 +10,9 @@ own compatibility hash misses. Then, as users run them:
   each answer equals the single-engine reference of the revision that served it (the router's
   ``x-kvbridge-revision`` header), and the KVTransfer's ``status.revisions`` shows the pairs
   per revision as the rollout goes;
-- ``kubectl rollout restart`` of the decode, then of the prefill Deployment: no request
-  fails or is answered wrong, and no engine takes a request before it is Ready or once it is
-  terminating (its own counters say so);
+- ``kubectl rollout restart`` of the prefill Deployment: no request fails or is answered
+  wrong, and no engine takes a request before it is Ready or once it is terminating (its own
+  counters say so);
 - ``helm upgrade`` of the release to a new image tag: the operator and the two router pods
   roll, the routers draining; no request fails;
 - the decode Deployment alone rolled to revision C: the B prefill never serves a C decode;
@@ -222,7 +222,10 @@ def test_rollout_of_prefill_and_decode_to_new_weights_and_image(
     assert any(old in h and new in h for h in revisions), revisions  # seen mid-rollout
 
 
-@pytest.mark.parametrize("role", ["decode", "prefill"])
+# The prefill only in `make test`: with one prefill every pair changes, and the rollout above
+# already replaced both decodes under load. "decode" runs the same for the decodes (about
+# 9 minutes on 2 cores): pytest -k 'rolling_restart' after adding it here.
+@pytest.mark.parametrize("role", ["prefill"])
 def test_rolling_restart_fails_no_request(api: Api, kube: Kube, stack: Stack, role: str
                                           ) -> None:  # fmt: skip
     """``kubectl rollout restart`` under load (issue #37): every request answered right, none
