@@ -23,7 +23,8 @@ class StaticWatch:
 
     table: RoutingTable
 
-    def __init__(self, _api_client: Any, namespace: str, name: str) -> None:
+    def __init__(self, _api_client: Any, namespace: str, name: str, *,
+                 follow_pods: bool = True) -> None:
         self.namespace, self.name, self.synced = namespace, name, True
 
     def start(self) -> StaticWatch:
