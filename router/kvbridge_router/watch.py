@@ -157,9 +157,10 @@ class TransferWatch:
         with self._lock:
             if not self.synced:
                 return
-            pods: dict[str, PodState] | None = (dict(self._stores[PODS]) if self._pods_readable
+            # None: pods not followed (a sidecar) or not readable; the endpoints decide alone.
+            # The table is computed under the lock, so the store is read as it is, not copied.
+            pods: dict[str, PodState] | None = (self._stores[PODS] if self._pods_readable
                                                 else None)  # fmt: skip
-            # a sidecar follows no pods: it checks the prefill the picker chose, not readiness
             table = routing_table(self.name, self._stores[TRANSFERS].get(self.name),
                                   list(self._stores[ENDPOINTS].values()), pods)  # fmt: skip
             changed = table != self.table
