@@ -324,6 +324,26 @@ def received_ok(decode: EngineProcess) -> list[bool]:
     return [not t["failed"] for t in decode.call({"cmd": "transfers"})["transfers"]]
 
 
+def warm_pair(prefill: EngineProcess, decode: EngineProcess, attempts: int = 8,
+              pause_s: float = 3.0) -> None:  # fmt: skip
+    """One P/D request, repeated until it is received, before the checked ones: the pair's
+    first READ needs the prefill to answer UCX's wire-up, which a CPU stall on this 2-core
+    machine can delay past vLLM's fixed 5 s handshake timeout (docs/limits.md, Known limitations).
+    Once a READ has completed, later ones need nothing of the prefill's process. A pause
+    between attempts lets a stall pass (one CI run saw 4 attempts in a row fail in vLLM's
+    own TP-2 decode)."""
+    prompts = RandomPrompts(7)
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(pause_s)
+        decode.call({"cmd": "transfers"})
+        pd_generate(prefill, decode, [prompts(80)], 1)
+        received = received_ok(decode)
+        if received and all(received):
+            return
+    raise AssertionError(f"no P/D request received in {attempts} attempts\n{decode.log_tail()}")
+
+
 @dataclass
 class PDOutput:
     """One prompt's prefill/decode result."""

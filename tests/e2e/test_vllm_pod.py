@@ -24,6 +24,7 @@ from kvbridge_testkit.vllm_harness import (
     pd_generate,
     running,
     vllm_python,
+    warm_pair,
     write_model,
 )
 
@@ -148,6 +149,9 @@ def test_a_tp2_engine_publishes_each_rank_and_every_rank_preflights(
     state = decode.call({"cmd": "connector_state"})
     assert [r["remotes"] for r in state["ranks"]] == [[prefill.engine_id]] * 2
 
+    # the TP-2 pair's first READ can wait on a CPU-starved prefill (docs/limits.md)
+    warm_pair(prefill, decode)
+    decode.call({"cmd": "transfers"})   # forget the warm-up's records
     prompts = RandomPrompts(11)
     batch = [prompts(n) for n in (40, 170)]
     out = pd_generate(prefill, decode, batch, 6)

@@ -15,7 +15,6 @@ share of a block is a contiguous slice of the other side's).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,13 +25,12 @@ from kvbridge_testkit.vllm_harness import (
     MAX_TOKENS,
     PAIRINGS,
     EngineProcess,
-    RandomPrompts,
     aligned_full_blocks,
     assert_pulled_right,
     pd_generate,
     prompts_for,
-    received_ok,
     running,
+    warm_pair,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.nixl, pytest.mark.vllm]
@@ -92,26 +90,6 @@ def rank_digests(engine: EngineProcess, ids: list[list[int]], heads: list[int]
     """Per rank: sha256 per layer of ``heads`` of these blocks."""
     reply = engine.call({"cmd": "kv_blocks", "block_ids": ids, "heads": heads})
     return [r["sha256"] for r in reply["ranks"]]
-
-
-def warm_pair(prefill: EngineProcess, decode: EngineProcess, attempts: int = 8,
-              pause_s: float = 3.0) -> None:  # fmt: skip
-    """One P/D request, repeated until it is received, before the checked ones: the pair's
-    first READ needs the prefill to answer UCX's wire-up, which a CPU stall on this 2-core
-    machine can delay past vLLM's fixed 5 s handshake timeout (docs/limits.md, Known limitations).
-    Once a READ has completed, later ones need nothing of the prefill's process. A pause
-    between attempts lets a stall pass (one CI run saw 4 attempts in a row fail in vLLM's
-    own TP-2 decode)."""
-    prompts = RandomPrompts(7)
-    for attempt in range(attempts):
-        if attempt:
-            time.sleep(pause_s)
-        decode.call({"cmd": "transfers"})
-        pd_generate(prefill, decode, [prompts(80)], 1)
-        received = received_ok(decode)
-        if received and all(received):
-            return
-    pytest.fail(f"no P/D request received in {attempts} attempts\n{decode.log_tail()}")
 
 
 def test_head_shares_cover_every_head_once() -> None:
