@@ -13,6 +13,8 @@ own compatibility hash misses. Then, as users run them:
 - ``kubectl rollout restart`` of the prefill Deployment: no request fails or is answered
   wrong, and no engine takes a request before it is Ready or once it is terminating (its own
   counters say so);
+- a router pod deleted, then the router Deployment restarted: only requests in flight on
+  the deleted pod may fail, each with an error (counted and logged); the restart fails none;
 - ``helm upgrade`` of the release to a new image tag: the operator and the two router pods
   roll, the routers draining; no request fails;
 - the decode Deployment alone rolled to revision C: the B prefill never serves a C decode;
@@ -26,102 +28,43 @@ Figures (rollout time, answers per revision, the longest time without an answer)
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import yaml
 from chartlib import CHART, Kube
-from kubernetes import client
-from nodelib import AGENT_NS, OPERATOR_NS, RELEASE
+from nodelib import OPERATOR_NS, RELEASE
+from servinglib import (
+    MAX_TOKENS,
+    NS,
+    PODS,
+    PROMPTS,
+    ROUTER_PODS,
+    Stack,
+    T,
+    apply,
+    at_revision,
+    health,
+    references_of,
+    revisions_of,
+    rolled_out,
+    serving_stack,
+    summary,
+)
 
 from kvbridge_agent.resources import revision_label
 from kvbridge_testkit import vllm_pods as vp
 from kvbridge_testkit.e2e import Api, wait_for
 from kvbridge_testkit.node_pods import image_values
-from kvbridge_testkit.openai_load import LoadRecord, openai_load
+from kvbridge_testkit.openai_load import openai_load
 from kvbridge_testkit.pod_audit import pod_audit
 
 pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.nixl, pytest.mark.vllm,
               pytest.mark.slow, pytest.mark.timeout(1500)]  # fmt: skip
 log = logging.getLogger(__name__)
-
-NS, T = AGENT_NS, vp.TRANSFER
-MAX_TOKENS = 8
-PROMPTS = vp.prompts(4, seed=35)
-PODS = f"app.kubernetes.io/name={T}"
-#: the test model's seed per revision (examples/serving/ as written is A)
-SEEDS = {"A": "9", "B": "10", "C": "11"}
-ROLLOUT_S = 900
-
-
-@dataclass
-class Stack:
-    docs: dict[str, dict[str, Any]]
-    router: str
-    #: revision label -> prompt -> the single-engine answer of that revision
-    references: dict[str, dict[str, str]]
-
-
-def at_revision(doc: dict[str, Any], revision: str, image: str = "") -> dict[str, Any]:
-    """The Deployment ``doc`` serving revision ``revision`` (its test-model seed), with the
-    vLLM container's image ``image`` when given."""
-    out = copy.deepcopy(doc)
-    spec = out["spec"]["template"]["spec"]
-    (init,) = spec["initContainers"]
-    assert init["command"][-2] == "--seed", init["command"]
-    init["command"][-1] = SEEDS[revision]
-    if image:
-        spec["containers"][0]["image"] = image
-    return out
-
-
-def apply(kube: Kube, doc: dict[str, Any]) -> None:
-    kube.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump(doc))
-
-
-def rolled_out(api: Api, role: str) -> None:
-    """Wait as ``kubectl rollout status`` does: every replica updated and available, no old
-    one left."""
-    apps = client.AppsV1Api(api.core.api_client)
-
-    def done() -> bool:
-        d = apps.read_namespaced_deployment(f"{T}-{role}", NS)
-        s = d.status
-        return (s.observed_generation or 0) >= d.metadata.generation and \
-            s.updated_replicas == s.replicas == s.available_replicas == d.spec.replicas
-    wait_for(done, timeout=ROLLOUT_S, interval=2, what=f"the {role} Deployment rolled out")
-
-
-def revisions_of(api: Api, role: str) -> set[str]:
-    """The revision labels the live ``role`` endpoints publish."""
-    return {revision_label(e["spec"].get("model", {}).get("revision", ""),
-                           e["spec"].get("model", {}).get("fingerprint", ""))
-            for e in api.endpoints(NS).values()
-            if e["spec"]["transferName"] == T and e["spec"]["role"] == role
-            and not e["metadata"].get("deletionTimestamp")}
-
-
-def references_of(api: Api, revision: str) -> dict[str, str]:
-    """Each prompt's greedy answer from one prefill engine of ``revision`` computing it alone."""
-    (pod,) = [e["spec"]["podName"] for e in api.endpoints(NS).values()
-              if e["spec"]["transferName"] == T and e["spec"]["role"] == "prefill"
-              and revision_label(e["spec"]["model"].get("revision", ""),
-                                 e["spec"]["model"]["fingerprint"]) == revision]
-    ip = api.core.read_namespaced_pod(pod, NS).status.pod_ip
-    return {p: vp.complete(ip, p, MAX_TOKENS)["choices"][0]["text"] for p in PROMPTS}
-
-
-def health(router: str) -> dict[str, Any]:
-    try:
-        return vp.get_json(f"{router}/health")
-    except Exception as exc:  # 503 while no pair is verified
-        return {"status": "unavailable", "error": str(exc)}
 
 
 @contextlib.contextmanager
@@ -150,41 +93,10 @@ def revision_history(api: Api) -> Iterator[list[tuple[float, dict[str, tuple[int
         thread.join()
 
 
-def summary(load: LoadRecord, start: float, end: float) -> str:
-    failed: dict[str, int] = {}
-    for o in load.failed:
-        failed[o.error[:120]] = failed.get(o.error[:120], 0) + 1
-    return (f"{len(load.answered)} answered {load.per_revision()}, {len(load.failed)} failed "
-            f"{failed}, longest time without an answer {load.longest_gap(start, end):.1f} s")
-
-
 @pytest.fixture(scope="module")
 def stack(api: Api, kube: Kube, release: str, images: dict[str, str]) -> Iterator[Stack]:
-    docs = vp.manifests(images["KVB_IMAGE_VLLM"], images["KVB_IMAGE_OPERATOR"])
-    for stem in ("kvtransfer", "prefill", "decode"):
-        apply(kube, docs[stem])
-    kube.helm("upgrade", RELEASE, str(CHART), "-n", OPERATOR_NS, "--reuse-values",
-              "--set", "router.enabled=true", "--set", f"router.transfer={T}",
-              "--set", f"router.namespace={NS}", timeout=240)  # fmt: skip
-    try:
-        wait_for(lambda: vp.serving_pods(api.core, NS), timeout=420, interval=2,
-                 what="one prefill and two decode vLLM pods Ready")  # fmt: skip
-        service = api.core.read_namespaced_service(f"{RELEASE}-router", NS)
-        router = f"http://{service.spec.cluster_ip}:{service.spec.ports[0].port}"
-        wait_for(lambda: health(router).get("verifiedPairs") == 2, timeout=240, interval=1,
-                 what="the router with both pairs verified")
-        (revision,) = revisions_of(api, "decode")
-        yield Stack(docs, router, {revision: references_of(api, revision)})
-    finally:
-        for kind, name in (("deployment", f"{T}-prefill"), ("deployment", f"{T}-decode"),
-                           ("kvtransfer", T)):  # fmt: skip
-            kube.kubectl("delete", kind, name, "-n", NS, "--ignore-not-found", "--wait=false")
-        kube.helm("upgrade", RELEASE, str(CHART), "-n", OPERATOR_NS, "--reuse-values",
-                  *image_values(images["KVB_IMAGE_OPERATOR"]), "--set", "router.enabled=false",
-                  timeout=240)  # fmt: skip
-        wait_for(lambda: not api.core.list_namespaced_pod(
-            NS, label_selector=f"app.kubernetes.io/name={T}").items, timeout=180, interval=1,
-            what="the vLLM pods gone")  # fmt: skip
+    with serving_stack(api, kube, images) as serving:
+        yield serving
 
 
 def test_rollout_of_prefill_and_decode_to_new_weights_and_image(
@@ -252,6 +164,54 @@ def test_rolling_restart_fails_no_request(api: Api, kube: Kube, stack: Stack, ro
     assert audit.violations == {}, audit
 
 
+
+def test_router_pod_deleted_then_router_restarted(api: Api, kube: Kube, stack: Stack) -> None:
+    """A router pod deleted as ``kubectl delete pod`` does, then ``kubectl rollout restart`` of
+    the router Deployment, under load (issue #37). The deleted pod drains: only requests in
+    flight on it may fail (at most one per client), each with an error; the restart fails
+    none; no answer is wrong (a stream cut short is a failure here, never an answer)."""
+    def router_pods() -> list[Any]:
+        return api.core.list_namespaced_pod(NS, label_selector=ROUTER_PODS).items
+
+    def only_new_ready(old: set[str]) -> bool:
+        """Two router pods, both Ready, none of ``old`` left (not even terminating)."""
+        pods = router_pods()
+        return not old & {p.metadata.name for p in pods} and len(pods) == 2 and all(
+            vp.pod_ready(p) and not p.metadata.deletion_timestamp for p in pods)
+
+    before = {p.metadata.name for p in router_pods()}
+    with openai_load(stack.router, PROMPTS, MAX_TOKENS) as load:
+        wait_for(lambda: len(load.answered) >= 8, timeout=120, what="answers before")
+        start = time.monotonic()
+        victim = sorted(before)[0]
+        kube.kubectl("delete", "pod", victim, "-n", NS, "--wait=false")
+        wait_for(lambda: only_new_ready({victim}), timeout=180, interval=1,
+                 what="the deleted router pod gone and a replacement Ready")
+        deleted = time.monotonic()
+        answered = len(load.answered)
+        wait_for(lambda: len(load.answered) >= answered + 8, timeout=120,
+                 what="answers after the deletion")
+        cut_by_deletion = list(load.failed)
+        restart = time.monotonic()
+        replaced = {p.metadata.name for p in router_pods()}
+        kube.kubectl("rollout", "restart", f"deployment/{RELEASE}-router", "-n", NS)
+        wait_for(lambda: only_new_ready(replaced), timeout=300, interval=1,
+                 what="the router Deployment restarted")
+        end = time.monotonic()
+        answered = len(load.answered)
+        wait_for(lambda: len(load.answered) >= answered + 8, timeout=120,
+                 what="answers after the restart")
+    log.info("router pod %s deleted (%.0f s until its replacement was Ready), %d request(s) "
+             "failed by it: %s; router rolling restart took %.0f s: %s", victim,
+             deleted - start, len(cut_by_deletion), [o.error for o in cut_by_deletion],
+             end - restart, summary(load, restart, end))
+    assert len(cut_by_deletion) <= 4, cut_by_deletion   # one in flight per client at most
+    for o in cut_by_deletion:
+        assert o.error, o
+    assert load.failed == cut_by_deletion, load.failed[len(cut_by_deletion):][:5]
+    assert load.wrong(stack.references) == []
+
+
 def test_helm_upgrade_of_the_release_to_a_new_tag_fails_no_request(
         api: Api, kube: Kube, node: Any, images: dict[str, str], stack: Stack) -> None:
     """``helm upgrade`` of the whole release to a new image tag under load (issue #37): the
@@ -259,7 +219,7 @@ def test_helm_upgrade_of_the_release_to_a_new_tag_fails_no_request(
     or is answered wrong."""
     new = images["KVB_IMAGE_OPERATOR"].rsplit(":", 1)[0] + ":upgrade-b"
     node.tag(images["KVB_IMAGE_OPERATOR"], new)
-    router_pods = f"app.kubernetes.io/component=router,app.kubernetes.io/instance={RELEASE}"
+    router_pods = ROUTER_PODS
 
     def images_of(ns: str, selector: str) -> set[str]:
         return {c.image for p in api.core.list_namespaced_pod(ns, label_selector=selector).items
