@@ -12,7 +12,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH_SPEC ?= torch==2.13.0
 NIXL_SPEC ?= nixl-cu12==1.5.1
 
-.PHONY: venv test lint bench clean test-stack node-images vllm-venv demo docs
+.PHONY: venv test lint bench soak clean test-stack node-images vllm-venv demo docs
 
 venv: $(VENV)/.installed
 
@@ -62,7 +62,12 @@ docs: venv
 	$(PY) -m kvbridge_testkit.docs_reference
 
 bench: venv vllm-venv node-images
-	@set -e; for b in bench/bench_*.py; do echo ">> $$b" >&2; $(PY) $$b; done
+	@set -e; for b in bench/bench_*.py; do [ $$b = bench/bench_soak.py ] && continue; \
+		echo ">> $$b" >&2; $(PY) $$b; done
+
+# The 30-minute soak of the serving stack on the real node (bench/bench_soak.py): not in bench.
+soak: venv vllm-venv node-images
+	$(PY) bench/bench_soak.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

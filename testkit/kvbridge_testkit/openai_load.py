@@ -34,6 +34,13 @@ class Outcome:
     revision: str = ""
     text: str | None = None
     error: str = ""
+    #: when a stream's first token arrived (0.0 when not streamed or none came)
+    first_token: float = 0.0
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from the request to a stream's first token; None for the others."""
+        return self.first_token - self.started if self.first_token else None
 
 
 @dataclass
@@ -76,18 +83,20 @@ def _one(client: object, prompt: str, max_tokens: int, stream: bool) -> Outcome:
         revision = raw.headers.get(REVISION_HEADER, "")
         body = raw.parse()
         if stream:
-            pieces, finish = [], None
+            pieces, finish, first = [], None, 0.0
             for chunk in body:
                 for choice in chunk.choices:
+                    if choice.text and not first:
+                        first = time.monotonic()
                     pieces.append(choice.text or "")
                     finish = choice.finish_reason or finish
             if finish is None:
                 return Outcome(prompt, stream, started, time.monotonic(), revision,
                                error="stream ended without a finish_reason")
-            text = "".join(pieces)
-        else:
-            text = body.choices[0].text
-        return Outcome(prompt, stream, started, time.monotonic(), revision, text)
+            return Outcome(prompt, stream, started, time.monotonic(), revision,
+                           "".join(pieces), first_token=first)
+        return Outcome(prompt, stream, started, time.monotonic(), revision,
+                       body.choices[0].text)
     except Exception as exc:  # openai's errors, and httpx's when a stream breaks off
         status = getattr(exc, "status_code", None)
         return Outcome(prompt, stream, started, time.monotonic(),
