@@ -16,7 +16,9 @@ Lines: ``soak.answered`` (value: answered requests; ratio: answered / all), ``so
 ``soak.handover.N`` (seconds from SIGKILL until another replica held the Lease; ratio against
 the lease duration, 15 s), ``soak.decode_replaced`` (the slowest deleted decode's time until
 its replacement was paired and verified; ratio against the deletion interval),
-``soak.memory.<pod>`` (end RSS; ratio end / start).
+``soak.unanswered`` (seconds in stretches over 2 s without an answer; ratio against the
+soak's length), ``soak.memory.<pod>`` (end RSS; ratio end / start). Each client pauses 0.5 s
+after a failed request (``KVB_SOAK_PAUSE_AFTER_FAILURE_S``), as a client backing off would.
 """
 
 from __future__ import annotations
@@ -75,15 +77,25 @@ def report(results: dict) -> None:
                  answered=w.answered, failed=w.failed, higher_is_better=False)
     kills = [e for e in results["events"] if e["what"] == "kill-leader"]
     for i, e in enumerate(kills):
+        if e.get("handover_s") is None:
+            print(f"# leader kill {i}: no hand-over measured: {e}", file=sys.stderr)
+            continue
         emit(f"soak.handover.{i}", e["handover_s"], "s", "the Lease duration",
              e["handover_s"] / LEASE_DURATION_S, killed=e["killed"], leader=e["leader"],
              replacement_paired_after_handover_s=e.get("replacement_paired_after_handover_s"),
              higher_is_better=False)
-    repairs = [e["repaired_s"] for e in results["events"] if e["what"] == "delete-decode"]
-    done = [r for r in repairs if r is not None]
+    deletions = [e for e in results["events"] if e["what"] == "delete-decode"]
+    done = [e["repaired_s"] for e in deletions if e.get("repaired_s") is not None]
     if done:
         emit("soak.decode_replaced", max(done), "s", "the deletion interval",
-             max(done) / results["delete_every_s"], repaired_s=repairs, higher_is_better=False)
+             max(done) / results["delete_every_s"], deletions=len(deletions),
+             repaired=len(done), repaired_s=[e.get("repaired_s") for e in deletions],
+             ready_s=[e.get("replacement_ready_s") for e in deletions], higher_is_better=False)
+    emit("soak.unanswered", results["seconds_without_answer"], "s",
+         "the soak's length (stretches over 2 s without an answer)",
+         results["seconds_without_answer"] / (results["minutes"] * 60),
+         pause_after_failure_s=results["pause_after_failure_s"],
+         serving_pod_restarts=results["serving_pod_restarts"], higher_is_better=False)
     print(f"# KVEndpoint statuses that went backwards: {results['status_backwards'] or 'none'}",
           file=sys.stderr)
     for pod, end in results["memory_end"].items():

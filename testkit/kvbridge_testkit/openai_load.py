@@ -105,9 +105,12 @@ def _one(client: object, prompt: str, max_tokens: int, stream: bool) -> Outcome:
 
 @contextlib.contextmanager
 def openai_load(base_url: str, prompts: Sequence[str], max_tokens: int, clients: int = 4,
-                timeout: float = 120.0) -> Iterator[LoadRecord]:  # fmt: skip
+                timeout: float = 120.0, pause_after_failure_s: float = 0.0
+                ) -> Iterator[LoadRecord]:  # fmt: skip
     """``clients`` threads, each with its own ``openai.OpenAI`` client (no retries), sending
-    greedy completions back to back, every other one streamed, while the block runs."""
+    greedy completions back to back, every other one streamed, while the block runs. A client
+    waits ``pause_after_failure_s`` after a failed request (as a client backing off would;
+    without it, a fast 503 turns each second without capacity into hundreds of failures)."""
     import openai
 
     record, stop, prompts = LoadRecord(), threading.Event(), list(prompts)
@@ -122,6 +125,8 @@ def openai_load(base_url: str, prompts: Sequence[str], max_tokens: int, clients:
             n += 1
             with lock:
                 record.outcomes.append(outcome)
+            if outcome.text is None and pause_after_failure_s:
+                stop.wait(pause_after_failure_s)
 
     with ThreadPoolExecutor(clients) as pool:
         futures = [pool.submit(client, i) for i in range(clients)]

@@ -71,6 +71,15 @@ def windows(record: LoadRecord, start: float, end: float, window_s: float,
     return out
 
 
+def unanswered_seconds(record: LoadRecord, start: float, end: float,
+                       longer_than_s: float = 2.0) -> float:
+    """Seconds of ``[start, end]`` spent in stretches longer than ``longer_than_s`` without
+    an answer: how long the stack served nothing (a busy stack answers every ~0.3 s)."""
+    ended = sorted(o.ended for o in record.answered if start <= o.ended <= end)
+    gaps = np.diff(np.array([start, *ended, end], dtype=float))
+    return float(gaps[gaps > longer_than_s].sum())
+
+
 def table(rows: list[Window]) -> str:
     """The windows as a fixed-width text table, one line each."""
     def ms(x: float | None) -> str:

@@ -105,10 +105,12 @@ def summary(load: LoadRecord, start: float, end: float) -> str:
 
 
 @contextlib.contextmanager
-def serving_stack(api: Api, kube: Kube, images: dict[str, str]) -> Iterator[Stack]:
-    """examples/serving/ at revision A with the chart's router in front (two replicas), both
-    pairs verified; everything it added is removed when the block ends."""
-    docs = vp.manifests(images["KVB_IMAGE_VLLM"], images["KVB_IMAGE_OPERATOR"])
+def serving_stack(api: Api, kube: Kube, images: dict[str, str],
+                  docs: dict[str, dict[str, Any]] | None = None) -> Iterator[Stack]:
+    """examples/serving/ at revision A (or ``docs``, those manifests edited) with the chart's
+    router in front (two replicas), both pairs verified; everything it added is removed when
+    the block ends."""
+    docs = docs or vp.manifests(images["KVB_IMAGE_VLLM"], images["KVB_IMAGE_OPERATOR"])
     for stem in ("kvtransfer", "prefill", "decode"):
         apply(kube, docs[stem])
     kube.helm("upgrade", RELEASE, str(CHART), "-n", OPERATOR_NS, "--reuse-values",

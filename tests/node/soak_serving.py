@@ -4,8 +4,9 @@ keeps it out of collection).
 examples/serving/ (one prefill, two decodes) behind the chart's router (two replicas), with two
 operator replicas electing a leader, under routed load from the ``openai`` client (streaming
 and not) for ``KVB_SOAK_MINUTES``: a decode pod is deleted (``kubectl delete pod``, as a node
-drain or a user does) every ``KVB_SOAK_DELETE_EVERY_S`` seconds, and the leading operator's
-process is SIGKILLed ``KVB_SOAK_LEADER_KILLS`` times (an unclean death: no Lease release).
+drain or a user does) every ``KVB_SOAK_DELETE_EVERY_S`` seconds, and the leading operator is
+lost ``KVB_SOAK_LEADER_KILLS`` times (its process SIGKILLed and its pod force-deleted, as when
+its node dies: no Lease release).
 
 It records every request (answered, failed with its cause, wrong against the single-engine
 reference), the hand-over time of each leader kill (until another replica holds the Lease),
@@ -32,13 +33,13 @@ from typing import Any
 import pytest
 from chartlib import CHART, Kube
 from nodelib import OPERATOR_NS, RELEASE, container_pid, wait_rollout
-from servinglib import MAX_TOKENS, NS, PROMPTS, ROUTER_PODS, Stack, health, serving_stack
+from servinglib import MAX_TOKENS, NS, PODS, PROMPTS, ROUTER_PODS, Stack, health, serving_stack
 
 from kvbridge_testkit import node as kn
 from kvbridge_testkit import vllm_pods as vp
 from kvbridge_testkit.e2e import Api, lease_holder, wait_for
 from kvbridge_testkit.openai_load import openai_load
-from kvbridge_testkit.soak_report import cause, schedule, windows
+from kvbridge_testkit.soak_report import cause, schedule, unanswered_seconds, windows
 from kvbridge_testkit.status_recorder import StatusRecorder, backwards
 
 MINUTES = float(os.environ.get("KVB_SOAK_MINUTES", "30"))
@@ -47,6 +48,8 @@ LEADER_KILLS = int(os.environ.get("KVB_SOAK_LEADER_KILLS", "2"))
 WINDOW_S = float(os.environ.get("KVB_SOAK_WINDOW_S", "300"))
 CLIENTS = int(os.environ.get("KVB_SOAK_CLIENTS", "4"))
 RESULTS = os.environ.get("KVB_SOAK_RESULTS", "")
+#: a client's pause after a failed request, as a client backing off would
+PAUSE_AFTER_FAILURE_S = float(os.environ.get("KVB_SOAK_PAUSE_AFTER_FAILURE_S", "0.5"))
 OPERATOR_PODS = f"app.kubernetes.io/component=operator,app.kubernetes.io/instance={RELEASE}"
 
 pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.nixl, pytest.mark.vllm,
@@ -78,38 +81,53 @@ def memory(api: Api, nodes: list[kn.RealNode]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def kill_leader(api: Api, nodes: list[kn.RealNode]) -> dict[str, Any]:
-    """SIGKILL the leading operator's process; how long until another replica held the Lease."""
+def kill_leader(api: Api, kube: Kube, nodes: list[kn.RealNode]) -> dict[str, Any]:
+    """The leading operator pod lost as with its node: its process SIGKILLed and the pod
+    force-deleted at once, so the kubelet does not restart the container in place (a restarted
+    container keeps the pod's name, its Lease identity, and simply renews). How long until
+    another replica held the Lease (None if none did within 120 s)."""
     holder = lease_holder(api.core.api_client, OPERATOR_NS)
     pod = api.core.read_namespaced_pod(holder, OPERATOR_NS)
     node = next(n for n in nodes if n.name == pod.spec.node_name)
     os.kill(container_pid(node, pod.status.container_statuses[0].container_id), signal.SIGKILL)
     killed = time.monotonic()
-    new = wait_for(lambda: (lambda h: h if h and h != holder else None)(
-        lease_holder(api.core.api_client, OPERATOR_NS)), timeout=120, interval=0.2,
-        what="another operator replica leading")  # fmt: skip
+    kube.kubectl("delete", "pod", holder, "-n", OPERATOR_NS, "--grace-period=0", "--force",
+                 "--wait=false", check=False)  # fmt: skip
+    try:
+        new = wait_for(lambda: (lambda h: h if h and h != holder else None)(
+            lease_holder(api.core.api_client, OPERATOR_NS)), timeout=120, interval=0.2,
+            what="another operator replica leading")  # fmt: skip
+    except AssertionError:
+        return {"killed": holder, "leader": None, "handover_s": None}
     return {"killed": holder, "leader": new, "handover_s": round(time.monotonic() - killed, 2)}
 
 
-def delete_decode(api: Api, kube: Kube, stack: Stack, budget_s: float) -> dict[str, Any]:
-    """Delete the oldest decode pod; how long until its replacement was Ready and both pairs
-    were verified in the router again (None if not within ``budget_s``)."""
-    decodes = sorted(vp.role_pods(api.core, NS, "decode"),
-                     key=lambda p: p.metadata.creation_timestamp)
-    victim = decodes[0].metadata.name
+def delete_decode(api: Api, kube: Kube, stack: Stack, until: float) -> dict[str, Any]:
+    """Delete the oldest Ready decode pod (``kubectl delete pod``: it drains); how long until
+    a replacement was Ready and both pairs were verified in the router again, measured until
+    the monotonic time ``until`` (None if not by then)."""
+    ready = [p for p in vp.role_pods(api.core, NS, "decode") if vp.pod_ready(p)]
+    if not ready:
+        return {"deleted": None, "skipped": "no Ready decode to delete"}
+    victim = min(ready, key=lambda p: p.metadata.creation_timestamp).metadata.name
     kube.kubectl("delete", "pod", victim, "-n", NS, "--wait=false")
     deleted = time.monotonic()
-
-    def repaired() -> bool:
+    out: dict[str, Any] = {"deleted": victim, "replacement_ready_s": None, "repaired_s": None}
+    while time.monotonic() < until and out["repaired_s"] is None:
         pods = vp.serving_pods(api.core, NS)
-        return bool(pods) and victim not in {p.metadata.name for p in pods["decode"]} and \
-            health(stack.router).get("verifiedPairs") == 2
-    try:
-        wait_for(repaired, timeout=budget_s, interval=1, what="the decode replaced and paired")
-        took: float | None = round(time.monotonic() - deleted, 1)
-    except Exception:
-        took = None
-    return {"deleted": victim, "repaired_s": took}
+        if pods and victim not in {p.metadata.name for p in pods["decode"]}:
+            out["replacement_ready_s"] = out["replacement_ready_s"] or round(
+                time.monotonic() - deleted, 1)
+            if health(stack.router).get("verifiedPairs") == 2:
+                out["repaired_s"] = round(time.monotonic() - deleted, 1)
+        time.sleep(1)
+    return out
+
+
+def restarts(api: Api) -> dict[str, int]:
+    """Container restarts of the serving (vLLM) pods now present."""
+    return {p.metadata.name: sum(c.restart_count for c in p.status.container_statuses or [])
+            for p in api.core.list_namespaced_pod(NS, label_selector=PODS).items}
 
 
 @pytest.fixture(scope="module")
@@ -130,24 +148,28 @@ def test_soak(api: Api, kube: Kube, node_cluster: Any, stack: Stack) -> None:
     workers: list[threading.Thread] = []
     recorder = StatusRecorder(api.core.api_client, NS)
     recorder.start()
-    with openai_load(stack.router, PROMPTS, MAX_TOKENS, clients=CLIENTS) as load:
+    with openai_load(stack.router, PROMPTS, MAX_TOKENS, clients=CLIENTS,
+                     pause_after_failure_s=PAUSE_AFTER_FAILURE_S) as load:
         start = time.monotonic()
         for at, what in plan:
             time.sleep(max(0.0, start + at - time.monotonic()))
             event: dict[str, Any] = {"at_s": round(time.monotonic() - start, 1), "what": what}
             events.append(event)
             if what == "kill-leader":
-                event.update(kill_leader(api, nodes))
+                try:
+                    event.update(kill_leader(api, kube, nodes))
+                except Exception as exc:   # recorded; the soak goes on
+                    event["error"] = f"{type(exc).__name__}: {exc}"[:300]
             else:   # measured in the background: the next event keeps its time
                 def measure(event: dict[str, Any] = event) -> None:
-                    event.update(delete_decode(api, kube, stack, DELETE_EVERY_S - 5))
+                    event.update(delete_decode(api, kube, stack, start + total_s + 300))
                 workers.append(threading.Thread(target=measure, daemon=True))
                 workers[-1].start()
             log.info("soak event %s", event)
         time.sleep(max(0.0, start + total_s - time.monotonic()))
         end = time.monotonic()
-    for worker in workers:
-        worker.join(timeout=DELETE_EVERY_S)
+    for worker in workers:   # the last replacements may still be coming up
+        worker.join(timeout=max(1.0, start + total_s + 300 - time.monotonic()))
     recorder.stop()
     for kill in (e for e in events if e["what"] == "kill-leader"):
         # the decode deleted just before the kill: its replacement was created while the old
@@ -171,6 +193,9 @@ def test_soak(api: Api, kube: Kube, node_cluster: Any, stack: Stack) -> None:
         "memory_start": memory_start, "memory_end": memory_end,
         "longest_gap_s": round(load.longest_gap(start, end), 1),
         "status_backwards": backwards(recorder.seen),
+        "serving_pod_restarts": restarts(api),
+        "pause_after_failure_s": PAUSE_AFTER_FAILURE_S,
+        "seconds_without_answer": round(unanswered_seconds(load, start, end), 1),
     }
     if RESULTS:
         Path(RESULTS).write_text(json.dumps(results, indent=1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvbridge_testkit.openai_load import LoadRecord, Outcome
-from kvbridge_testkit.soak_report import schedule, table, windows
+from kvbridge_testkit.soak_report import schedule, table, unanswered_seconds, windows
 
 REFS = {"a": {"p": "x y"}}
 
@@ -50,3 +50,10 @@ def test_the_schedule_deletes_on_the_beat_and_kills_the_leader_off_it() -> None:
     assert [t for t, what in plan if what == "kill-leader"] == [560, 1280]
     assert plan == sorted(plan)
     assert schedule(60, 180, 1) == [(30, "kill-leader")]
+
+
+def test_unanswered_seconds_add_up_the_long_stretches_only() -> None:
+    # answers (a wrong one too) end at 1, 2, 3, 4 and 7; the failure at 5 is none: one 3 s
+    # stretch, and 0.5 s after the last answer
+    assert unanswered_seconds(record(), 0.0, 7.5) == pytest.approx(3.0)
+    assert unanswered_seconds(record(), 0.0, 7.5, longer_than_s=0.4) == pytest.approx(7.5)
