@@ -10,9 +10,9 @@ own compatibility hash misses. Then, as users run them:
   each answer equals the single-engine reference of the revision that served it (the router's
   ``x-kvbridge-revision`` header), and the KVTransfer's ``status.revisions`` shows the pairs
   per revision as the rollout goes;
-- ``kubectl rollout restart`` of the prefill Deployment: no request fails or is answered
-  wrong, and no engine takes a request before it is Ready or once it is terminating (its own
-  counters say so);
+- (opt-in, ``KVB_ROLLING_RESTARTS``) ``kubectl rollout restart`` of the prefill or decode
+  Deployment: no request fails or is answered wrong, and no engine takes a request before it
+  is Ready or once it is terminating (its own counters say so);
 - a router pod deleted, then the router Deployment restarted: only requests in flight on
   the deleted pod may fail, each with an error (counted and logged); the restart fails none;
 - ``helm upgrade`` of the release to a new image tag: the operator and the two router pods
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -134,10 +135,15 @@ def test_rollout_of_prefill_and_decode_to_new_weights_and_image(
     assert any(old in h and new in h for h in revisions), revisions  # seen mid-rollout
 
 
-# The prefill only in `make test`: with one prefill every pair changes, and the rollout above
-# already replaced both decodes under load. "decode" runs the same for the decodes (about
-# 9 minutes on 2 cores): pytest -k 'rolling_restart' after adding it here.
-@pytest.mark.parametrize("role", ["prefill"])
+#: Opt-in (``KVB_ROLLING_RESTARTS=prefill,decode``), to keep CI's time inside its limit: the
+#: rollout above already replaces the prefill and both decodes under load; each restart adds
+#: about 5 (prefill) and 9 (decode) minutes on 2 cores. Measured: prefill 268 s, 1,576
+#: answered, 0 failed, 0.6 s longest gap; decode 543 s, 2,845, 0 failed, 0.7 s.
+ROLLING_RESTARTS = [r for r in os.environ.get("KVB_ROLLING_RESTARTS", "").split(",") if r]
+
+
+@pytest.mark.skipif(not ROLLING_RESTARTS, reason="opt-in: KVB_ROLLING_RESTARTS=prefill,decode")
+@pytest.mark.parametrize("role", ROLLING_RESTARTS or ["prefill"])
 def test_rolling_restart_fails_no_request(api: Api, kube: Kube, stack: Stack, role: str
                                           ) -> None:  # fmt: skip
     """``kubectl rollout restart`` under load (issue #37): every request answered right, none
