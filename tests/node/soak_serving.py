@@ -25,6 +25,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -182,9 +183,7 @@ def test_soak(api: Api, kube: Kube, node_cluster: Any, stack: Stack) -> None:
     memory_end = memory(api, nodes)
     rows = windows(load, start, end, WINDOW_S, stack.references)
     wrong = load.wrong(stack.references)
-    failures: dict[str, int] = {}
-    for o in load.failed:
-        failures[cause(o)] = failures.get(cause(o), 0) + 1
+    failures = dict(Counter(cause(o) for o in load.failed))   # as windows() counts them
     results = {
         "minutes": MINUTES, "delete_every_s": DELETE_EVERY_S, "leader_kills": LEADER_KILLS,
         "clients": CLIENTS, "window_s": WINDOW_S,
